@@ -1,0 +1,37 @@
+import json
+
+import pytest
+
+from benchmarks.harness import Case, run_module, time_case
+
+
+def test_alternating_timing_reports_ratio_against_anchor():
+    calls = []
+
+    def mk(tag):
+        def factory():
+            return lambda: calls.append(tag)
+        return factory
+
+    case = Case("c", impls={"a": mk("a"), "b": mk("b")}, anchor="a", repeats=4, warmup=0)
+    out = time_case(case)
+    assert calls == ["a", "b", "b", "a", "a", "b", "b", "a"]  # alternating, order flipped each round
+    assert out["a"]["ratio_vs_anchor"] == pytest.approx(1.0)
+    assert set(out) == {"a", "b"} and out["b"]["n"] == 4
+
+
+def test_case_rejects_unknown_anchor():
+    with pytest.raises(ValueError, match="anchor"):
+        Case("c", impls={"a": lambda: (lambda: None)}, anchor="z")
+
+
+def test_run_module_writes_json_with_time_and_memory(tmp_path):
+    path = run_module("selftest", tmp_path, memory=True)
+    data = json.loads(path.read_text())
+    (case,) = data["cases"]
+    assert case["anchor"] == "one"
+    # Four matmuls per call must take longer than one: the measurement can tell them apart.
+    assert case["time"]["four"]["ratio_vs_anchor"] > 1.5
+    for impl in ("one", "four"):
+        assert case["memory"][impl]["peak_rss_mib"] > 0
+    assert "torch" in data["environment"]
