@@ -74,12 +74,14 @@ def select(
 ) -> list[tuple[str, nn.Module]]:
     """The ``(qualified name, module)`` pairs of ``model`` that ``target`` selects, in model order.
 
-    Raises ``SelectionError`` listing the available names when nothing matches (unless
-    ``allow_empty``), and when a name-matched module is not of ``types``.
+    ``types`` restricts every selector (types, names, callables) to modules of those types;
+    ``target=None`` then selects every module of ``types``. Raises ``SelectionError`` listing the
+    available names when nothing matches (unless ``allow_empty``), and naming the offending types
+    when every matched module is of a type outside ``types``.
     """
-    pred = matcher(target, None)
+    pred = matcher(target, types if target is None else None)
     hits = [(n, m) for n, m in model.named_modules() if pred(n, m)]
-    if types and target is not None and not isinstance(target, type) and not isinstance(target, tuple):
+    if types and target is not None:
         wrong = [(n, type(m).__name__) for n, m in hits if not isinstance(m, types)]
         # Name patterns may also hit parents (e.g. "attention"); keep only supported types, but if
         # every hit is of an unsupported type, tell the user instead of silently doing nothing.
@@ -89,8 +91,6 @@ def select(
             raise SelectionError(
                 f"target {target!r} matched only modules of unsupported types {wrong[:5]}; "
                 f"supported: {allowed}")
-    elif types and target is None:
-        hits = [(n, m) for n, m in model.named_modules() if n and isinstance(m, types)]
     if not hits and not allow_empty:
         names = available_names(model, types)
         shown = ", ".join(names[:40]) + (f", ... ({len(names)} in all)" if len(names) > 40 else "")

@@ -28,9 +28,18 @@ def _parent(model: nn.Module, name: str) -> tuple[nn.Module, str]:
 
 
 def replace_module(model: nn.Module, name: str, new: nn.Module) -> nn.Module:
-    """Put ``new`` at ``name`` and return the module that was there."""
+    """Put ``new`` at ``name`` and return the module that was there.
+
+    Only a registered submodule can be replaced (not a parameter, buffer or plain attribute; a
+    missing name raises ``AttributeError``). Inside :func:`transaction` on the same ``model`` object
+    the change is journaled so that it can be undone.
+    """
+    if not isinstance(new, nn.Module):
+        raise TypeError(f"replacement for {name!r} must be an nn.Module, got {type(new).__name__}")
     parent, child = _parent(model, name)
     old = getattr(parent, child)
+    if not isinstance(old, nn.Module) or child not in parent._modules:
+        raise TypeError(f"{name!r} is a {type(old).__name__}, not a submodule; only submodules can be replaced")
     if isinstance(parent, (nn.ModuleList, nn.Sequential)) and child.isdigit():
         parent[int(child)] = new
     else:
@@ -56,8 +65,10 @@ _journal: dict[int, list[tuple[str, nn.Module]]] = {}
 def transaction(model: nn.Module) -> Iterator[list[tuple[str, nn.Module]]]:
     """All-or-nothing surgery: on an exception, undo every replacement done inside the block.
 
-    Parameter values are also restored: a snapshot of ``requires_grad`` flags is taken and put
-    back. (Weights modified in place by the caller are the caller's to protect.)
+    The ``requires_grad`` flags of the parameters are also snapshotted and put back. Parameter
+    *values* are not: weights modified in place by the caller are the caller's to protect.
+    Nested transactions on the same model are supported (an outer rollback also undoes the
+    inner block's committed changes).
     """
     outer = _journal.get(id(model))
     log: list[tuple[str, nn.Module]] = []
