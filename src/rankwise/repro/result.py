@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import platform
+import tempfile
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -34,9 +36,14 @@ _OPS = {
 }
 
 
-def _clean(x: float) -> float | None:
+def _clean(x: float) -> float | str | None:
+    """A float for strict JSON: NaN -> None, +-inf -> "inf"/"-inf" (``float()`` reads both back)."""
     x = float(x)
-    return None if math.isnan(x) else x
+    if math.isnan(x):
+        return None
+    if math.isinf(x):
+        return "inf" if x > 0 else "-inf"
+    return x
 
 
 @dataclass
@@ -62,7 +69,11 @@ class Table:
 
     def std(self, row: str, column: str) -> float:
         v = self.values(row, column)
-        return statistics.stdev(v) if len(v) > 1 else 0.0
+        if len(v) < 2:
+            return 0.0
+        if not all(math.isfinite(x) for x in v):
+            return float("nan")
+        return statistics.stdev(v)
 
     def cell(self, row: str, column: str, digits: int = 4) -> str:
         v = self.values(row, column)
@@ -120,7 +131,7 @@ class ClaimCheck:
     @property
     def margin(self) -> float:
         d = self.measured - self.threshold
-        return d if self.op in (">=", ">") else -d
+        return (d if self.op in (">=", ">") else -d) + 0.0  # + 0.0: no "-0" margins
 
     def describe(self) -> str:
         u = f" {self.unit}" if self.unit else ""
@@ -131,6 +142,7 @@ class ClaimCheck:
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["measured"] = _clean(self.measured)
+        d["threshold"] = _clean(self.threshold)
         d.update(holds=self.holds, margin=_clean(self.margin))
         return d
 
@@ -151,6 +163,10 @@ class ReproResult:
     wall_time_s: float = 0.0
     environment: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)  # curves or other data behind the figures
+    # Run-time facts set by the harness, never serialised: whether this result came from the cache,
+    # and the folder that holds its result.json and figures.
+    cache_hit: bool = field(default=False, compare=False, repr=False)
+    source_dir: Path | None = field(default=None, compare=False, repr=False)
 
     @property
     def verdict(self) -> str:
@@ -187,13 +203,47 @@ class ReproResult:
 
     def save(self, out_dir: Path) -> Path:
         """Write ``result.json`` atomically into ``out_dir`` (figures are already there)."""
-        from rankwise.core.io import atomic_write_text
-
         out_dir = Path(out_dir)
         out_dir.mkdir(parents=True, exist_ok=True)
         path = out_dir / "result.json"
         atomic_write_text(path, json.dumps(self.to_json(), indent=2, allow_nan=False))
+        self.source_dir = out_dir
         return path
+
+    @classmethod
+    def load(cls, path: Path | str) -> "ReproResult":
+        """Read a ``result.json`` (or the folder holding it) written by :meth:`save`."""
+        path = Path(path)
+        file = path / "result.json" if path.is_dir() else path
+        try:
+            data = json.loads(file.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise FileNotFoundError(f"no reproduction result at {file}") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{file} is not valid JSON: {e}") from None
+        result = cls.from_json(data)
+        result.source_dir = file.parent
+        return result
+
+
+def atomic_write_text(path: Path | str, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file in the same folder and ``os.replace``,
+    so that a reader never sees a partial file and a failed write leaves the old file in place."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600; results are meant to be shared
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
 
 
 def environment(seeds: Sequence[int] | None = None) -> dict[str, Any]:
@@ -206,10 +256,15 @@ def environment(seeds: Sequence[int] | None = None) -> dict[str, Any]:
         "torch": torch.__version__, "numpy": numpy.__version__,
         "threads": torch.get_num_threads(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
-    for name in ("transformers", "peft", "flwr", "sklearn", "scipy"):
+    # Installed versions from the package metadata: importing flwr or transformers only to read a
+    # version would cost seconds.
+    from importlib import metadata
+
+    for key, dist in (("transformers", "transformers"), ("peft", "peft"), ("flwr", "flwr"),
+                      ("sklearn", "scikit-learn"), ("scipy", "scipy")):
         try:
-            env[name] = __import__(name).__version__
-        except Exception:  # pragma: no cover - optional
+            env[key] = metadata.version(dist)
+        except metadata.PackageNotFoundError:  # pragma: no cover - optional
             pass
     from rankwise import __version__
 
