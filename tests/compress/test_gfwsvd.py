@@ -1,0 +1,370 @@
+"""GFWSVD: the correctness checks and bad inputs of shared/methods/gfwsvd.md."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from rankwise.compress import gfwsvd as gf
+from rankwise.core.errors import NumericalError
+from rankwise.core.stats import CalibrationError, collect
+
+D = torch.float64
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def grads(S=40, m=6, n=5, seed=0):
+    """Per-sample gradients with correlated rows and columns (a non-trivial Fisher)."""
+    g = gen(seed)
+    L = torch.randn(m, m, generator=g, dtype=D) / math.sqrt(m) + torch.eye(m, dtype=D)
+    R = torch.randn(n, n, generator=g, dtype=D) / math.sqrt(n) + torch.eye(n, dtype=D)
+    return L @ torch.randn(S, m, n, generator=g, dtype=D) @ R.T + 0.3 * torch.randn(S, m, n, generator=g, dtype=D)
+
+
+def rel(a, b):
+    return float(torch.linalg.matrix_norm(a - b) / torch.linalg.matrix_norm(b))
+
+
+# ---------------------------------------------------------------- MFF
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_mff_matches_explicit_nearest_kronecker(seed):
+    G = grads(seed=seed)  # m n = 30 <= 400: F is 30 x 30
+    F = gf.explicit_fisher(G)
+    P_ref, Q_ref = gf.nearest_kronecker_fisher(F, 6, 5)
+    kf = gf.mff_from_gradients(G, iters=500, tol=1e-13)
+    assert kf.converged
+    assert rel(kf.kron(), torch.kron(P_ref, Q_ref)) < 1e-4
+    # and it is the best Kronecker approximation: its error is the rearranged matrix's tail
+    R = torch.linalg.svdvals(gf.explicit_fisher(G).reshape(5, 6, 5, 6).permute(0, 2, 1, 3).reshape(25, 36))
+    err = float(torch.linalg.matrix_norm(F - kf.kron()) ** 2)
+    assert err == pytest.approx(float((R[1:] ** 2).sum()), rel=1e-6)
+    assert kf.sigma == pytest.approx(float(R[0]), rel=1e-8)
+
+
+def test_explicit_fisher_uses_column_stacking():
+    G = grads(S=3, m=3, n=2, seed=3)
+    F = gf.explicit_fisher(G)
+    i, j, k, l = 2, 1, 0, 1  # F[(j m + i), (l m + k)] = mean_s G_s[i, j] G_s[k, l]
+    assert float(F[j * 3 + i, l * 3 + k]) == pytest.approx(float((G[:, i, j] * G[:, k, l]).mean()))
+
+
+def test_kronecker_exact_fisher_is_reproduced():
+    g = gen(4)
+    S, m, n = 25, 5, 4
+    v = torch.randn(n, generator=g, dtype=D)
+    u = torch.randn(S, m, generator=g, dtype=D)
+    G = u[:, :, None] * v[None, None, :]  # G_s = u_s v^T
+    kf = gf.mff_from_gradients(G, iters=10)
+    torch.testing.assert_close(kf.kron(), gf.explicit_fisher(G), rtol=1e-10, atol=1e-12)
+    assert kf.converged and kf.iters <= 3
+
+
+def test_factors_symmetric_psd_and_invariant_to_loss_scale():
+    G = grads(S=30, m=7, n=6, seed=5)
+    a = gf.mff_from_gradients(G, iters=10)
+    b = gf.mff_from_gradients(3.0 * G, iters=10)
+    for kf in (a, b):
+        for M in (kf.P, kf.Q):
+            torch.testing.assert_close(M, M.T, rtol=0, atol=0)
+            assert float(torch.linalg.eigvalsh(M).min()) >= -1e-10 * float(torch.linalg.eigvalsh(M).max())
+    torch.testing.assert_close(a.P, b.P, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(9.0 * a.Q, b.Q, rtol=1e-12, atol=1e-12)
+    W = torch.randn(7, 6, generator=gen(6), dtype=D)
+    torch.testing.assert_close(gf.gfwsvd_factors(W, a.P, a.Q, 3).product(), gf.gfwsvd_factors(W, b.P, b.Q, 3).product(),
+                               rtol=1e-9, atol=1e-12)
+
+
+def test_token_factors_equal_explicit_gradients():
+    """G_s^T Q G_s computed as X_s^T (D_s Q D_s^T) X_s equals the explicit product."""
+    g = gen(7)
+    B, T, n, m = 4, 6, 5, 3
+    X = torch.randn(B, T, n, generator=g, dtype=D)
+    Dg = torch.randn(B, T, m, generator=g, dtype=D)
+    sf = gf.SampleFactors(n, m)
+    sf.add(X[:2], Dg[:2])
+    sf.add(X[2:], Dg[2:])
+    G = Dg.mT @ X  # (B, m, n)
+    Q = torch.randn(m, m, generator=g, dtype=D)
+    P = torch.randn(n, n, generator=g, dtype=D)
+    torch.testing.assert_close(sf.p_step(Q), (G.mT @ Q @ G).sum(0))
+    torch.testing.assert_close(sf.q_step(P), (G @ P @ G.mT).sum(0))
+    torch.testing.assert_close(sf.row_fisher(), G.square().sum((0, 2)))
+    assert sf.samples == 4 and sf.tokens == 24
+
+
+# ---------------------------------------------------------------- closed form
+
+
+def objective(W, Wr, P, Q):
+    return gf.gfwsvd_objective(W, Wr, P, Q, damping=1e-4)
+
+
+def test_closed_form_beats_random_candidates_and_plain_svd():
+    G = grads(S=50, m=8, n=7, seed=8)
+    kf = gf.mff_from_gradients(G, iters=20)
+    W = torch.randn(8, 7, generator=gen(9), dtype=D)
+    r = 3
+    f = gf.gfwsvd_factors(W, kf.P, kf.Q, r)
+    best = objective(W, f.product(), kf.P, kf.Q)
+    g = gen(10)
+    for i in range(500):
+        eps = 10.0 ** (-3 + 3 * i / 500)
+        A = f.A + eps * f.A.norm() * torch.randn(8, r, generator=g, dtype=D) / math.sqrt(8 * r)
+        B = f.B + eps * f.B.norm() * torch.randn(r, 7, generator=g, dtype=D) / math.sqrt(7 * r)
+        assert objective(W, A @ B, kf.P, kf.Q) >= best * (1 - 1e-12)
+    U, s, Vh = torch.linalg.svd(W)
+    assert objective(W, U[:, :r] * s[:r] @ Vh[:r], kf.P, kf.Q) > best
+
+
+def test_identity_factors_equal_plain_svd():
+    W = torch.randn(9, 6, generator=gen(11), dtype=D)
+    f = gf.gfwsvd_factors(W, torch.eye(6, dtype=D), torch.eye(9, dtype=D), 4)
+    U, s, Vh = torch.linalg.svd(W)
+    torch.testing.assert_close(f.product(), U[:, :4] * s[:4] @ Vh[:4], rtol=1e-10, atol=1e-12)
+
+
+def test_diagonal_row_fisher_equals_fwsvd():
+    g = gen(12)
+    W = torch.randn(9, 6, generator=g, dtype=D)
+    fw = torch.rand(9, generator=g, dtype=D) + 0.1
+    f = gf.gfwsvd_factors(W, torch.eye(6, dtype=D), torch.diag(fw), 3, damping=0.0)
+    Dm = torch.diag(fw.sqrt())
+    U, s, Vh = torch.linalg.svd(Dm @ W)
+    ref = torch.diag(1 / fw.sqrt()) @ (U[:, :3] * s[:3] @ Vh[:3])
+    torch.testing.assert_close(f.product(), ref, rtol=1e-10, atol=1e-12)
+
+
+def test_input_covariance_with_identity_q_equals_svd_llm():
+    g = gen(13)
+    W = torch.randn(7, 8, generator=g, dtype=D)
+    X = torch.randn(50, 8, generator=g, dtype=D) @ (torch.eye(8, dtype=D) + 0.5 * torch.randn(8, 8, generator=g, dtype=D))
+    H = X.T @ X
+    f = gf.gfwsvd_factors(W, H, torch.eye(7, dtype=D), 3, damping=0.0)
+    S = torch.linalg.cholesky(H)
+    U, s, Vh = torch.linalg.svd(W @ S)
+    ref = torch.linalg.solve_triangular(S, U[:, :3] * s[:3] @ Vh[:3], upper=False, left=False)
+    torch.testing.assert_close(f.product(), ref, rtol=1e-9, atol=1e-11)
+
+
+def test_full_rank_reproduces_w_and_objective_non_increasing_in_rank():
+    G = grads(S=40, m=6, n=5, seed=14)
+    kf = gf.mff_from_gradients(G)
+    W = torch.randn(6, 5, generator=gen(15), dtype=D)
+    torch.testing.assert_close(gf.gfwsvd_factors(W, kf.P, kf.Q, 5).product(), W, rtol=1e-10, atol=1e-10)
+    vals = [objective(W, gf.gfwsvd_factors(W, kf.P, kf.Q, r).product(), kf.P, kf.Q) for r in range(1, 6)]
+    assert all(b <= a * (1 + 1e-12) for a, b in zip(vals, vals[1:]))
+    assert vals[-1] < 1e-8 * vals[0]
+
+
+def test_predicted_loss_increase_is_the_quadratic_form():
+    G = grads(S=20, m=4, n=3, seed=16)
+    kf = gf.mff_from_gradients(G)
+    dW = torch.randn(4, 3, generator=gen(17), dtype=D)
+    lam_p = 1e-4 * float(torch.diagonal(kf.P).mean())
+    lam_q = 1e-4 * float(torch.diagonal(kf.Q).mean())
+    Fk = torch.kron(kf.P + lam_p * torch.eye(3, dtype=D), kf.Q + lam_q * torch.eye(4, dtype=D))
+    v = dW.T.reshape(-1)
+    assert gf.predicted_loss_increase(dW, kf.P, kf.Q) == pytest.approx(0.5 * float(v @ Fk @ v), rel=1e-10)
+
+
+def test_gfwsvd_rank():
+    assert gf.gfwsvd_rank(384, 1536, 0.3) == math.floor(0.3 * 384 * 1536 / 1920)
+    assert gf.gfwsvd_rank(384, 1536, 0.3, rank_multiple=8) % 8 == 0
+    assert gf.gfwsvd_rank(4, 4, 0.01) == 1
+    for bad in (0.0, -0.1, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="param_ratio"):
+            gf.gfwsvd_rank(4, 4, bad)
+
+
+# ---------------------------------------------------------------- per-sample gradients from hooks
+
+
+class Tiny(nn.Module):
+    def __init__(self, n=5, h=4, seed=0):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.fc1 = nn.Linear(n, h)
+        self.fc2 = nn.Linear(h, 3)
+        self.unused = nn.Linear(3, 3)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+def batches(seed=0, n_batches=3, B=4, T=5):
+    g = gen(seed)
+    out = []
+    for _ in range(n_batches):
+        x = torch.randn(B, T, 5, generator=g)
+        y = torch.randn(B, T, 3, generator=g)
+        mask = torch.ones(B, T, dtype=torch.long)
+        mask[0, T - 2:] = 0
+        out.append({"x": x, "y": y, "attention_mask": mask})
+    return out
+
+
+def fwd(model, b):
+    return model(b["x"])
+
+
+def loss_fn(out, b):  # a sum of per-sequence losses over non-padding tokens
+    m = b["attention_mask"].unsqueeze(-1).to(out.dtype)
+    return (((out - b["y"]) ** 2) * m).sum()
+
+
+def per_sample_grads(model, bs, name):
+    mod = dict(model.named_modules())[name]
+    out = []
+    for b in bs:
+        for i in range(b["x"].shape[0]):
+            one = {k: v[i:i + 1] for k, v in b.items()}
+            model.zero_grad()
+            loss_fn(fwd(model, one), one).backward()
+            out.append(mod.weight.grad.detach().double().clone())
+    return torch.stack(out)
+
+
+def test_hook_per_sample_gradients_match_autograd_and_model_is_untouched():
+    model = Tiny()
+    bs = batches()
+    cfg = gf.GFWSVDConfig(power_iters=50, tol=1e-12, targets=("fc1", "fc2"))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    flags = [p.requires_grad for p in model.parameters()]
+    model.requires_grad_(False)
+    fac = gf.collect_kronecker_fisher(model, bs, loss_fn, cfg, forward=fwd)
+    model.requires_grad_(True)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert [p.requires_grad for p in model.parameters()] == flags and all(p.grad is None for p in model.parameters())
+    assert list(fac) == ["fc1", "fc2"]
+    for name in ("fc1", "fc2"):
+        G = per_sample_grads(model, bs, name)
+        ref = gf.mff_from_gradients(G, iters=50, tol=1e-12)
+        assert fac[name].samples == 12
+        assert rel(fac[name].kron(), ref.kron()) < 1e-5
+        torch.testing.assert_close(fac[name].row_fisher, G.square().sum(2).mean(0), rtol=1e-5, atol=1e-8)
+
+
+def test_row_fisher_equals_core_stats_per_sample_fisher():
+    model = Tiny()
+    bs = batches(seed=1)
+    fac = gf.collect_kronecker_fisher(model, bs, loss_fn, gf.GFWSVDConfig(targets=("fc1",)), forward=fwd)
+    st = collect(model, bs, "fc1", kinds=("fisher_diag",), forward=fwd, loss_fn=loss_fn, fisher="sample")["fc1"]
+    torch.testing.assert_close(fac["fc1"].row_fisher, st.fisher_rows(), rtol=1e-6, atol=1e-10)
+
+
+def test_recompute_storage_and_layer_groups_equal_token_storage():
+    model = Tiny()
+    bs = batches(seed=2)
+    base = dict(power_iters=6, tol=0.0, targets=("fc1", "fc2"))
+    a = gf.collect_kronecker_fisher(model, bs, loss_fn, gf.GFWSVDConfig(**base), forward=fwd)
+    b = gf.collect_kronecker_fisher(model, bs, loss_fn, gf.GFWSVDConfig(storage="recompute", **base), forward=fwd)
+    c = gf.collect_kronecker_fisher(model, bs, loss_fn, gf.GFWSVDConfig(layers_per_pass=1, **base), forward=fwd)
+    for k in ("fc1", "fc2"):
+        for other in (b, c):
+            torch.testing.assert_close(a[k].P, other[k].P, rtol=1e-10, atol=1e-12)
+            torch.testing.assert_close(a[k].Q, other[k].Q, rtol=1e-10, atol=1e-12)
+            torch.testing.assert_close(a[k].row_fisher, other[k].row_fisher, rtol=1e-10, atol=1e-12)
+        assert a[k].iters == 6
+
+
+def test_kfac_ablation_equals_core_stats_kfac():
+    model = Tiny()
+    bs = batches(seed=3)
+    fac = gf.collect_kronecker_fisher(model, bs, loss_fn, gf.GFWSVDConfig(factors="kfac", targets=("fc2",)), forward=fwd)
+    st = collect(model, bs, "fc2", kinds=("kfac",), forward=fwd, loss_fn=loss_fn)["fc2"]
+    A, Gm = st.kfac_factors()
+    torch.testing.assert_close(fac["fc2"].P, A, rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(fac["fc2"].Q, Gm, rtol=1e-6, atol=1e-9)
+    assert fac["fc2"].kind == "kfac"
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def test_layer_without_gradient_is_named():
+    with pytest.raises(CalibrationError, match="unused"):
+        gf.collect_kronecker_fisher(Tiny(), batches(), loss_fn, gf.GFWSVDConfig(targets=("fc1", "unused")), forward=fwd)
+
+
+def test_all_zero_gradients_explain_that_a_task_loss_is_needed():
+    model = Tiny()
+    with pytest.raises(CalibrationError, match="task loss"):
+        gf.collect_kronecker_fisher(model, batches(), lambda out, b: (out * 0).sum(), gf.GFWSVDConfig(targets=("fc1",)),
+                                    forward=fwd)
+
+
+def test_nan_gradients_and_empty_data():
+    model = Tiny()
+    with pytest.raises(NumericalError):
+        gf.collect_kronecker_fisher(model, batches(), lambda out, b: (out * float("nan")).sum(),
+                                    gf.GFWSVDConfig(targets=("fc1",)), forward=fwd)
+    bad = batches()
+    bad[1]["x"][0, 0, 0] = float("inf")
+    with pytest.raises(NumericalError):
+        gf.collect_kronecker_fisher(model, bad, loss_fn, gf.GFWSVDConfig(targets=("fc1",)), forward=fwd)
+    with pytest.raises(CalibrationError, match="empty"):
+        gf.collect_kronecker_fisher(model, [], loss_fn, gf.GFWSVDConfig(targets=("fc1",)), forward=fwd)
+    with pytest.raises(ValueError, match="re-iterable"):
+        gf.collect_kronecker_fisher(model, iter(batches()), loss_fn,
+                                    gf.GFWSVDConfig(storage="recompute", targets=("fc1",)), forward=fwd)
+
+
+def test_single_sample_warns():
+    model = Tiny()
+    one = [{k: v[:1] for k, v in batches()[0].items()}]
+    with pytest.warns(RuntimeWarning, match="rank-deficient"):
+        gf.collect_kronecker_fisher(model, one, loss_fn, gf.GFWSVDConfig(targets=("fc1",)), forward=fwd)
+
+
+def test_bad_rank_and_non_pd_factors():
+    W = torch.randn(4, 3, dtype=D)
+    P, Q = torch.eye(3, dtype=D), torch.eye(4, dtype=D)
+    for r in (0, 4, -2):
+        with pytest.raises(ValueError, match="rank"):
+            gf.gfwsvd_factors(W, P, Q, r)
+    negP = torch.diag(torch.tensor([1.0, -50.0, -50.0], dtype=D))  # not PSD; no damping can fix it
+    with pytest.raises(NumericalError, match="input-side.*fc9"):
+        gf.gfwsvd_factors(W, negP, Q, 2, name="fc9")
+    with pytest.raises(ValueError, match="need P"):
+        gf.gfwsvd_factors(W, Q, P, 2)
+
+
+@pytest.mark.parametrize("kw,field", [
+    (dict(param_ratio=0.0), "param_ratio"), (dict(param_ratio=1.2), "param_ratio"),
+    (dict(power_iters=0), "power_iters"), (dict(damping=-1.0), "damping"), (dict(damping=float("nan")), "damping"),
+    (dict(rank_multiple=0), "rank_multiple"), (dict(factors="diag"), "factors"), (dict(storage="disk"), "storage"),
+    (dict(layers_per_pass=0), "layers_per_pass"), (dict(targets=()), "targets"),
+])
+def test_config_validation(kw, field):
+    with pytest.raises(ValueError, match=field):
+        gf.GFWSVDConfig(**kw)
+
+
+def test_save_and_load_factors_round_trip(tmp_path):
+    pytest.importorskip("rankwise.core.io")
+    model = Tiny()
+    fac = gf.collect_kronecker_fisher(model, batches(), loss_fn, gf.GFWSVDConfig(targets=("fc1", "fc2")), forward=fwd)
+    path = gf.save_factors(fac, tmp_path / "kron.safetensors")
+    back = gf.load_factors(path)
+    assert list(back) == list(fac)
+    for k in fac:
+        assert torch.equal(back[k].P, fac[k].P) and torch.equal(back[k].Q, fac[k].Q)
+        assert torch.equal(back[k].row_fisher, fac[k].row_fisher)
+        assert back[k].samples == fac[k].samples and back[k].iters == fac[k].iters
