@@ -1,0 +1,528 @@
+"""LoRA, the reference low-rank adapter (Hu et al., 2021), with PEFT interop both ways.
+
+    h = W0 x + s * B A x,   A: (r, in) ~ kaiming-uniform (or Gaussian),  B: (out, r) = 0,
+    s = alpha / r  (alpha / sqrt(r) with rsLoRA)                                  (Hu et al. Eq. 3)
+
+Usage::
+
+    from rankwise.adapt.lora import LoraConfig, adapt, merge, save_adapter, export_peft
+    model = adapt(model, LoraConfig(rank=8, alpha=16, target=("query", "value")))
+    ...train...
+    save_adapter(model, "my_adapter")            # rankwise directory == PEFT directory + fingerprint
+    export_peft(model, "for_peft", base_model_name_or_path="sentence-transformers/all-MiniLM-L6-v2")
+
+The layer and the adapter state live in :mod:`rankwise.core.lora` (shared with merging, federated
+training and the LoRA optimizers); this module is the method: config, entry point, save/load and
+the PEFT bridge.
+
+Directory format (``save_adapter`` and ``export_peft`` write the same thing)
+---------------------------------------------------------------------------
+``adapter_config.json``
+    a PEFT ``LoraConfig`` (``peft_type: "LORA"``, ``r``, ``lora_alpha``, ``target_modules``,
+    ``rank_pattern``/``alpha_pattern`` for modules whose rank/alpha differ from the most common
+    one, ``use_rslora``, ``lora_dropout``, ``bias: "none"``, ...);
+``adapter_model.safetensors``
+    keys ``base_model.model.<module>.lora_A.weight`` (r, in) and ``...lora_B.weight`` (out, r), as
+    PEFT names them; the safetensors header additionally holds rankwise metadata (adapter name,
+    config, exact per-module scaling, base-model fingerprint, per-tensor SHA-256, see
+    :mod:`rankwise.core.io`), which PEFT ignores.
+
+So ``peft.PeftModel.from_pretrained(base, directory)`` loads what rankwise saves, and
+:func:`load_adapter` / :func:`load_peft` load what PEFT saves (standard LoRA on ``nn.Linear`` only;
+DoRA, bias training, ``modules_to_save``, embedding/conv targets, base-modifying initialisations
+such as PiSSA/OLoRA/LoftQ/CorDA/LoRA-GA and the other PEFT variants are rejected with a clear error).
+A directory written by PEFT carries no fingerprint, so only shapes are checked when it is loaded.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from rankwise.core import io
+from rankwise.core.errors import ArtifactError, RankwiseError
+from rankwise.core.lora import (
+    INITS,
+    AdapterState,
+    LoraLinear,
+    add_lora,
+    adapter_names,
+    check_state_fits,
+    delete_adapter,
+    disable_adapters,
+    enable_adapters,
+    get_state,
+    lora_layers,
+    lora_scaling,
+    merge_adapters,
+    set_active,
+    set_state,
+    unload,
+    unmerge_adapters,
+)
+from rankwise.core.registry import register
+from rankwise.core.select import Selector
+
+__all__ = [
+    "AdapterState",
+    "LoraConfig",
+    "LoraLinear",
+    "adapt",
+    "adapter_names",
+    "delete_adapter",
+    "disable_adapters",
+    "enable_adapters",
+    "export_peft",
+    "get_state",
+    "import_peft",
+    "load_adapter",
+    "load_peft",
+    "lora_layers",
+    "merge",
+    "save_adapter",
+    "set_active",
+    "set_state",
+    "unload",
+    "unmerge",
+]
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+_PEFT_PREFIX = "base_model.model."
+_KIND = "rankwise.lora"
+# Files a previous save may have left; a directory holding only these is replaced without asking.
+_OWN_FILES = {CONFIG_FILE, WEIGHTS_FILE, "README.md"}
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """LoRA hyper-parameters (defaults: the reference/PEFT ones for BERT-style models).
+
+    Attributes:
+        rank: r >= 1, the inner dimension of B A (Hu et al. Sec. 4.1).
+        alpha: the scaling numerator; s = alpha / r (or alpha / sqrt(r) with ``use_rslora``).
+        dropout: dropout on the adapter's input, in [0, 1).
+        use_rslora: rank-stabilised scaling alpha / sqrt(r) (Kalajdzievski, 2023).
+        target: module-name patterns (see :func:`rankwise.core.select.select`); a bare name
+            matches the last component, as PEFT's ``target_modules`` does.
+        init: "kaiming" (A ~ kaiming-uniform(a=sqrt 5), PEFT's default) or "gaussian" (A ~ N(0, 1/r^2));
+            B = 0 either way, so the adapted model starts equal to the base model.
+        seed: seeds the initialisation (``None``: the global torch RNG).
+    """
+
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    use_rslora: bool = False
+    target: tuple[str, ...] = ("query", "value")
+    init: str = "kaiming"
+    seed: int | None = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 1:
+            raise ValueError(f"LoraConfig.rank must be an int >= 1, got {self.rank!r}")
+        if (not isinstance(self.alpha, (int, float)) or isinstance(self.alpha, bool)
+                or not math.isfinite(float(self.alpha)) or float(self.alpha) <= 0):
+            raise ValueError(f"LoraConfig.alpha must be a finite number > 0, got {self.alpha!r}")
+        if (not isinstance(self.dropout, (int, float)) or isinstance(self.dropout, bool)
+                or not 0.0 <= float(self.dropout) < 1.0):
+            raise ValueError(f"LoraConfig.dropout must be in [0, 1), got {self.dropout!r}")
+        if not isinstance(self.use_rslora, bool):
+            raise ValueError(f"LoraConfig.use_rslora must be a bool, got {self.use_rslora!r}")
+        target = (self.target,) if isinstance(self.target, str) else self.target
+        if (not isinstance(target, (tuple, list)) or not target
+                or not all(isinstance(t, str) and t for t in target)):
+            raise ValueError("LoraConfig.target must be a non-empty tuple of module-name patterns, "
+                             f"got {self.target!r} (pass types or callables to adapt(target=...))")
+        object.__setattr__(self, "target", tuple(target))
+        if self.init not in INITS:
+            raise ValueError(f"LoraConfig.init must be one of {INITS}, got {self.init!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise ValueError(f"LoraConfig.seed must be an int or None, got {self.seed!r}")
+        object.__setattr__(self, "alpha", float(self.alpha))
+        object.__setattr__(self, "dropout", float(self.dropout))
+
+
+def adapt(model: nn.Module, config: LoraConfig | None = None, target: Selector = None,
+          name: str = "default") -> nn.Module:
+    """Add LoRA adapter ``name`` to ``model`` in place and return it.
+
+    ``target`` (a type, name pattern(s) or predicate) overrides ``config.target``. The new adapter
+    becomes the active (and only trainable) one; every non-LoRA parameter is frozen. Ranks above
+    ``min(in_features, out_features)`` of a layer raise ``ValueError`` naming the layer; a selector
+    that matches no Linear layer raises ``SelectionError``. On any error the model is unchanged.
+    """
+    config = LoraConfig() if config is None else config
+    if not isinstance(config, LoraConfig):
+        raise TypeError(f"adapt: config must be a LoraConfig, got {type(config).__name__}")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"adapt: model must be an nn.Module, got {type(model).__name__}")
+    gen = torch.Generator().manual_seed(config.seed) if config.seed is not None else None
+    add_lora(model, config.target if target is None else target, name, rank=config.rank, alpha=config.alpha,
+             use_rslora=config.use_rslora, dropout=config.dropout, init=config.init, generator=gen)
+    return model
+
+
+def merge(model: nn.Module) -> nn.Module:
+    """Merge the active adapters into the base weights (``W0 += s B A``); refuses to merge twice."""
+    merge_adapters(model)
+    return model
+
+
+def unmerge(model: nn.Module) -> nn.Module:
+    """Subtract merged adapters from the base weights (exact up to float rounding)."""
+    unmerge_adapters(model)
+    return model
+
+
+# ------------------------------------------------------------------------------------------------
+# PEFT semantics (peft 0.14-0.21): how target_modules / rank_pattern / alpha_pattern are matched
+# ------------------------------------------------------------------------------------------------
+
+def _peft_targets(target_modules: Any, key: str) -> bool:
+    if isinstance(target_modules, str):
+        return re.fullmatch(target_modules, key) is not None
+    return any(key == t or key.endswith("." + t) for t in target_modules)
+
+
+def _peft_pattern(pattern: Mapping[str, Any], key: str, default: Any) -> Any:
+    for k, v in pattern.items():  # peft.utils.other.get_pattern_key: first key matching as a suffix regex
+        if re.match(rf"(.*\.)?({k})$", key):
+            return v
+    return default
+
+
+def _base_module_names(model: nn.Module) -> list[str]:
+    """Module names as PEFT sees the base model (LoRA wrappers replaced by their base layers)."""
+    wrappers = [n for n, _ in lora_layers(model)]
+    return [n for n, _ in model.named_modules() if n and not any(n.startswith(w + ".") for w in wrappers)]
+
+
+def _number(x: float) -> int | float:
+    return int(x) if float(x).is_integer() else float(x)
+
+
+def _alpha_of(state: AdapterState, module: str, use_rslora: bool) -> float:
+    """The alpha that gives the module's scaling: the config's alpha when exact, else s * r (s * sqrt r)."""
+    r, s = state.rank(module), state.scaling[module]
+    a = state.config.get("alpha")
+    if isinstance(a, (int, float)) and not isinstance(a, bool) and lora_scaling(float(a), r, use_rslora) == s:
+        return float(a)
+    return s * math.sqrt(r) if use_rslora else s * r
+
+
+def peft_config_dict(state: AdapterState, module_names: list[str] | None = None,
+                     base_model_name_or_path: str | None = None) -> dict[str, Any]:
+    """A PEFT ``adapter_config.json`` (as a dict) that reproduces ``state`` exactly.
+
+    ``module_names``: every module name of the base model; used to check that a plain list of
+    ``target_modules`` selects exactly the adapted modules (else a regex is written).
+    """
+    use_rslora = bool(state.config.get("use_rslora", False))
+    mods = state.modules()
+    ranks = state.ranks()
+    alphas = {m: _alpha_of(state, m, use_rslora) for m in mods}
+    r0 = Counter(ranks[m] for m in mods).most_common(1)[0][0]
+    a0 = Counter(alphas[m] for m in mods).most_common(1)[0][0]
+    universe = list(dict.fromkeys((module_names or []) + mods))
+
+    target: Any = sorted(mods)
+    if module_names is None or {k for k in universe if _peft_targets(target, k)} != set(mods):
+        target = "(?:" + "|".join(re.escape(m) for m in mods) + ")"
+
+    def pattern(values: dict[str, Any], default: Any) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for m in mods:
+            if values[m] == default:
+                continue
+            # a key matches any module name ending in ".<key>": anchor it when that is ambiguous
+            clash = any(k != m and re.match(rf"(.*\.)?({m})$", k) for k in mods)
+            out["^" + re.escape(m) if clash else m] = values[m]
+        return out
+
+    rank_pattern = pattern(ranks, r0)
+    alpha_pattern = {k: _number(v) for k, v in pattern(alphas, a0).items()}
+    for m in mods:  # the config must resolve to the state's ranks and scalings under PEFT's rules
+        r = _peft_pattern(rank_pattern, m, r0)
+        a = float(_peft_pattern(alpha_pattern, m, a0))
+        s = lora_scaling(a, r, use_rslora)
+        if r != ranks[m] or not math.isclose(s, state.scaling[m], rel_tol=1e-12, abs_tol=0.0):
+            raise RankwiseError(f"internal: cannot express module {m!r} (rank {ranks[m]}, scaling "
+                                f"{state.scaling[m]}) as a PEFT LoraConfig")
+    dropout = float(state.config.get("dropout", 0.0) or 0.0)
+    return {
+        "peft_type": "LORA",
+        "task_type": None,
+        "base_model_name_or_path": base_model_name_or_path,
+        "revision": None,
+        "inference_mode": True,
+        "r": r0,
+        "lora_alpha": _number(a0),
+        "target_modules": target,
+        "rank_pattern": rank_pattern,
+        "alpha_pattern": alpha_pattern,
+        "lora_dropout": dropout,
+        "use_rslora": use_rslora,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_dora": False,
+        "init_lora_weights": True,
+        "modules_to_save": None,
+        "layers_to_transform": None,
+        "layers_pattern": None,
+    }
+
+
+# ------------------------------------------------------------------------------------------------
+# save / load
+# ------------------------------------------------------------------------------------------------
+
+def write_adapter_dir(state: AdapterState, directory: str | Path, *, name: str = "default",
+                      module_names: list[str] | None = None, base_model_name_or_path: str | None = None,
+                      overwrite: bool | None = None) -> Path:
+    """Write ``state`` as a PEFT-compatible LoRA directory (atomically; see the module docstring).
+
+    ``overwrite``: None replaces an existing directory only if it holds nothing but files this
+    function writes; True replaces any existing directory; False refuses a non-empty one.
+    """
+    directory = Path(directory)
+    state.validate()
+    cfg = peft_config_dict(state, module_names, base_model_name_or_path)
+    tensors: dict[str, torch.Tensor] = {}
+    for m in state.modules():
+        tensors[f"{_PEFT_PREFIX}{m}.lora_A.weight"] = state.factors[m]["lora_A"]
+        tensors[f"{_PEFT_PREFIX}{m}.lora_B.weight"] = state.factors[m]["lora_B"]
+    meta = {"kind": _KIND, "name": name, "config": state.config, "modules": state.modules(),
+            "scaling": {m: float(s) for m, s in state.scaling.items()}, "fingerprint": state.fingerprint}
+    if overwrite is None:
+        overwrite = directory.is_dir() and all(p.is_file() and p.name in _OWN_FILES for p in directory.iterdir())
+    with io.atomic_dir(directory, overwrite=bool(overwrite)) as tmp:
+        io.write_json(tmp / CONFIG_FILE, cfg)
+        io.save_tensors(tmp / WEIGHTS_FILE, tensors, meta)
+    return directory
+
+
+def save_adapter(model: nn.Module, directory: str | Path, name: str = "default", *,
+                 overwrite: bool | None = None) -> Path:
+    """Save adapter ``name`` of ``model`` to ``directory`` (PEFT layout + rankwise fingerprint), atomically.
+
+    Load it back with :func:`load_adapter`, or with ``peft.PeftModel.from_pretrained(base, directory)``.
+    """
+    return write_adapter_dir(get_state(model, name), directory, name=name,
+                             module_names=_base_module_names(model), overwrite=overwrite)
+
+
+def export_peft(model: nn.Module, directory: str | Path, name: str = "default",
+                base_model_name_or_path: str | None = None, *, overwrite: bool | None = None) -> Path:
+    """Write adapter ``name`` as a PEFT LoRA directory that ``PeftModel.from_pretrained(base, directory)`` loads.
+
+    Same files as :func:`save_adapter`, with ``base_model_name_or_path`` recorded in the config.
+    Ranks/scalings that differ per module are written as ``rank_pattern``/``alpha_pattern``.
+    """
+    return write_adapter_dir(get_state(model, name), directory, name=name,
+                             module_names=_base_module_names(model),
+                             base_model_name_or_path=base_model_name_or_path, overwrite=overwrite)
+
+
+_UNSUPPORTED_FLAGS: tuple[tuple[str, str], ...] = (
+    ("use_dora", "DoRA (use_dora=true)"),
+    ("fan_in_fan_out", "fan_in_fan_out=true (transposed Conv1D targets, not nn.Linear)"),
+    ("lora_bias", "lora_bias=true (a trained bias on lora_B)"),
+    ("modules_to_save", "modules_to_save (fully fine-tuned extra modules)"),
+    ("layer_replication", "layer_replication"),
+    ("use_qalora", "QA-LoRA (use_qalora=true)"),
+    ("target_parameters", "target_parameters (LoRA on raw nn.Parameters)"),
+    ("trainable_token_indices", "trainable_token_indices (trainable embedding rows)"),
+    ("alora_invocation_tokens", "activated LoRA (alora_invocation_tokens)"),
+    ("use_bdlora", "block-diagonal LoRA (use_bdlora)"),
+    ("arrow_config", "Arrow routing (arrow_config)"),
+    ("kasa_config", "KaSA (kasa_config)"),
+    ("monteclora_config", "MonteCLoRA (monteclora_config)"),
+    ("velora_config", "VeLoRA (velora_config)"),
+    ("megatron_config", "Megatron parallel layers (megatron_config)"),
+)
+_OK_INITS = (True, False, "gaussian", "orthogonal", "eva")
+
+
+def _unsupported(cfg: Mapping[str, Any]) -> list[str]:
+    out = []
+    for key, what in _UNSUPPORTED_FLAGS:
+        v = cfg.get(key)
+        if v not in (None, False, 0, "", [], {}):
+            out.append(what)
+    bias = cfg.get("bias", "none")
+    if bias not in (None, "none"):
+        out.append(f"bias={bias!r} (trained base-layer biases)")
+    init = cfg.get("init_lora_weights", True)
+    if init not in _OK_INITS:
+        out.append(f"init_lora_weights={init!r} (changes the base weights or uses a LoRA variant)")
+    return out
+
+
+_KEY_RE = re.compile(r"^(?P<mod>.+)\.(?P<fac>lora_A|lora_B)(?:\.(?P<ad>[A-Za-z0-9_\-]+))?\.weight$")
+
+
+def _classify_unknown(key: str) -> str:
+    if "lora_magnitude_vector" in key:
+        return "DoRA magnitude vectors"
+    if "lora_embedding_" in key:
+        return "LoRA on nn.Embedding (not nn.Linear)"
+    if re.search(r"\.lora_[AB](\.[^.]+)?\.bias$", key):
+        return "LoRA biases (lora_bias)"
+    if "modules_to_save" in key or "original_module" in key:
+        return "modules_to_save"
+    if "trainable_tokens" in key:
+        return "trainable tokens"
+    return "unrecognised tensors"
+
+
+def import_peft(directory: str | Path, model: nn.Module | None = None) -> AdapterState:
+    """Read a PEFT LoRA directory (``adapter_config.json`` + ``adapter_model.safetensors``) as an AdapterState.
+
+    Standard LoRA on ``nn.Linear`` only: other PEFT types and features raise ArtifactError saying
+    which. Per-module ranks/alphas come from ``rank_pattern``/``alpha_pattern`` and must agree with
+    the tensors. A directory written by rankwise also yields its exact scalings and base-model
+    fingerprint. With ``model``, every module must exist there as a Linear of matching shape.
+    ``adapter_model.bin`` (pickle) is refused: rankwise never unpickles.
+    """
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise ArtifactError(f"{directory}: no such adapter directory")
+    cfg_path = directory / CONFIG_FILE
+    if not cfg_path.is_file():
+        raise ArtifactError(f"{directory}: not a PEFT/rankwise adapter directory (no {CONFIG_FILE})")
+    cfg = io.read_json(cfg_path)
+    peft_type = str(cfg.get("peft_type", "")).upper()
+    if peft_type != "LORA":
+        raise ArtifactError(f"{cfg_path}: unsupported PEFT type {cfg.get('peft_type')!r}; only standard "
+                            "LoRA (peft_type 'LORA') can be imported")
+    bad = _unsupported(cfg)
+    if bad:
+        raise ArtifactError(f"{cfg_path}: unsupported PEFT LoRA feature(s): {', '.join(bad)}. "
+                            "rankwise imports standard LoRA on nn.Linear layers only")
+    r_default = cfg.get("r", 8)
+    a_default = cfg.get("lora_alpha", 8)
+    use_rslora = cfg.get("use_rslora", False)
+    rank_pattern = cfg.get("rank_pattern") or {}
+    alpha_pattern = cfg.get("alpha_pattern") or {}
+    dropout = cfg.get("lora_dropout", 0.0) or 0.0
+    if not isinstance(r_default, int) or isinstance(r_default, bool) or r_default < 1:
+        raise ArtifactError(f"{cfg_path}: r must be an int >= 1, got {r_default!r}")
+    if not isinstance(a_default, (int, float)) or isinstance(a_default, bool) or not math.isfinite(a_default):
+        raise ArtifactError(f"{cfg_path}: lora_alpha must be a finite number, got {a_default!r}")
+    if not isinstance(use_rslora, bool):
+        raise ArtifactError(f"{cfg_path}: use_rslora must be a bool, got {use_rslora!r}")
+    if not isinstance(rank_pattern, dict) or not isinstance(alpha_pattern, dict):
+        raise ArtifactError(f"{cfg_path}: rank_pattern/alpha_pattern must be objects")
+    if not isinstance(dropout, (int, float)) or not 0.0 <= float(dropout) < 1.0:
+        raise ArtifactError(f"{cfg_path}: lora_dropout must be in [0, 1), got {dropout!r}")
+
+    w_path = directory / WEIGHTS_FILE
+    if not w_path.is_file():
+        if (directory / "adapter_model.bin").is_file():
+            raise ArtifactError(f"{directory}: holds adapter_model.bin (a pickle), which rankwise never loads; "
+                                "re-save it with PEFT's save_pretrained(safe_serialization=True)")
+        raise ArtifactError(f"{directory}: no {WEIGHTS_FILE}")
+    tensors, header = io.load_tensors(w_path)
+    own = header if header.get("kind") == _KIND else None
+
+    factors: dict[str, dict[str, torch.Tensor]] = {}
+    adapters_seen: set[str] = set()
+    unknown: dict[str, list[str]] = {}
+    for key, t in tensors.items():
+        k = key[len(_PEFT_PREFIX):] if key.startswith(_PEFT_PREFIX) else key
+        mt = _KEY_RE.match(k)
+        if mt is None:
+            unknown.setdefault(_classify_unknown(k), []).append(key)
+            continue
+        if mt["ad"]:
+            adapters_seen.add(mt["ad"])
+        factors.setdefault(mt["mod"], {})[mt["fac"]] = t
+    if unknown:
+        desc = "; ".join(f"{what} ({keys[:2]}{' ...' if len(keys) > 2 else ''})" for what, keys in unknown.items())
+        raise ArtifactError(f"{w_path}: unsupported PEFT LoRA content: {desc}. rankwise imports standard "
+                            "LoRA on nn.Linear layers only")
+    if len(adapters_seen) > 1:
+        raise ArtifactError(f"{w_path}: holds several adapters {sorted(adapters_seen)}; save them separately")
+    if not factors:
+        raise ArtifactError(f"{w_path}: holds no LoRA tensors")
+
+    scaling: dict[str, float] = {}
+    for m, f in factors.items():
+        if set(f) != {"lora_A", "lora_B"}:
+            raise ArtifactError(f"{w_path}: module {m!r} lacks {'lora_B' if 'lora_A' in f else 'lora_A'}")
+        a, b = f["lora_A"], f["lora_B"]
+        if a.ndim != 2 or b.ndim != 2:
+            raise ArtifactError(f"{w_path}: module {m!r} has lora_A {tuple(a.shape)}, lora_B {tuple(b.shape)}: "
+                                "LoRA on a non-Linear layer (e.g. Conv) is not supported")
+        if a.shape[0] != b.shape[1]:
+            raise ArtifactError(f"{w_path}: module {m!r}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} "
+                                "have different ranks")
+        r = int(a.shape[0])
+        r_cfg = _peft_pattern(rank_pattern, m, r_default)
+        if r_cfg != r:
+            raise ArtifactError(f"{cfg_path}: module {m!r} has rank {r} in the weights but {r_cfg} in the config")
+        alpha = _peft_pattern(alpha_pattern, m, a_default)
+        if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
+            raise ArtifactError(f"{cfg_path}: alpha for module {m!r} must be a finite number, got {alpha!r}")
+        scaling[m] = lora_scaling(float(alpha), r, use_rslora)
+
+    fingerprint = None
+    config: dict[str, Any] = {"method": "lora", "rank": r_default, "alpha": float(a_default),
+                              "use_rslora": use_rslora, "dropout": float(dropout), "init": None,
+                              "targets": list(factors), "source": "peft",
+                              "base_model_name_or_path": cfg.get("base_model_name_or_path")}
+    if own is not None:
+        mods, hdr_scaling = own.get("modules"), own.get("scaling")
+        if not isinstance(mods, list) or set(mods) != set(factors) or not isinstance(hdr_scaling, dict):
+            raise ArtifactError(f"{w_path}: rankwise metadata does not match the tensors it holds")
+        for m in mods:
+            s = hdr_scaling.get(m)
+            if not isinstance(s, (int, float)) or not math.isclose(s, scaling[m], rel_tol=1e-9):
+                raise ArtifactError(f"{directory}: {CONFIG_FILE} and the weights' metadata disagree on the "
+                                    f"scaling of {m!r} ({scaling[m]} vs {s}); the directory was edited")
+        scaling = {m: float(hdr_scaling[m]) for m in mods}
+        factors = {m: factors[m] for m in mods}
+        fingerprint = own.get("fingerprint")
+        if isinstance(own.get("config"), dict):
+            config = dict(own["config"])
+    try:
+        state = AdapterState(config, factors, scaling, fingerprint)
+    except ValueError as e:
+        raise ArtifactError(f"{directory}: {e}") from e
+    if model is not None:
+        check_state_fits(model, state, str(directory))
+    return state
+
+
+def load_peft(model: nn.Module, directory: str | Path, name: str = "default", *,
+              check_base: bool = True) -> nn.Module:
+    """Load a PEFT (or rankwise) LoRA directory into ``model`` as adapter ``name``; returns the model.
+
+    The model is checked before it is changed (shapes; the fingerprint when the directory has one
+    and ``check_base``); on error it is unchanged. The loaded adapter becomes the active one.
+    """
+    state = import_peft(directory, model)
+    set_state(model, state, name, check_base=check_base, source=str(directory))
+    return model
+
+
+def load_adapter(model: nn.Module, directory: str | Path, name: str = "default", *,
+                 check_base: bool = True) -> nn.Module:
+    """Load an adapter saved by :func:`save_adapter` (or by PEFT) into ``model`` as adapter ``name``.
+
+    Rejects (ArtifactError, model unchanged): a missing, corrupt or truncated file; an adapter saved
+    for another base model (fingerprint; skip with ``check_base=False``); modules that are missing or
+    of other shapes; unsupported PEFT features. Factors load bit-exactly.
+    """
+    return load_peft(model, directory, name, check_base=check_base)
+
+
+register("lora", config=LoraConfig, entry=adapt)
