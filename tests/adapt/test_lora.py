@@ -328,6 +328,7 @@ def test_adapter_state_validation():
     a, b = torch.zeros(2, 4), torch.zeros(3, 2)
     ok = AdapterState({}, {"m": {"lora_A": a, "lora_B": b}}, {"m": 1.0})
     assert ok.rank("m") == 2 and ok.shape("m") == (3, 4)
+    assert ok == ok and ok != ok.clone() and ok.allclose(ok.clone())  # identity equality; allclose for values
     bad = [
         ({}, {"m": {"lora_A": a, "lora_B": torch.zeros(3, 3)}}, {"m": 1.0}, "expected A"),
         ({}, {"m": {"lora_A": a}}, {"m": 1.0}, "exactly"),

@@ -610,7 +610,7 @@ def unload(model: nn.Module, merge: bool = True) -> nn.Module:
 _FACTOR_KEYS = ("lora_A", "lora_B")
 
 
-@dataclass
+@dataclass(eq=False)  # tensors have no truth value: compare with allclose()
 class AdapterState:
     """One named LoRA adapter of a model, as plain data.
 
