@@ -1,0 +1,284 @@
+"""Reproduction of RACS / Alice (ICLR 2026): tiny Llama pretraining on the stdlib docstring corpus.
+
+Setting (spec "Reproduction at small scale"): ``LlamaConfig`` hidden 64, FFN 172, 2 layers, 4 heads,
+byte vocabulary 256 (ids = UTF-8 bytes), random init under the seed; the zoo's docstring corpus
+(train split for training, eval split, held-out modules, for validation); sequence length 128,
+batch 16, cosine learning rate with 5 % warm-up, no gradient clipping. RACS, Alice and GaLore act on
+every 2-D block weight; embeddings, LM head and norms use AdamW at AdamW's learning rate. Alice:
+r = 16, l = 4, T = 50; GaLore (galore-torch): r = 16, T = 50, scale 0.25.
+
+* smoke: a 1-layer hidden-32 model, 10 steps, AdamW / RACS / Alice (wiring only; the peers'
+  imports alone take seconds, their wiring is covered by tests/train/test_racs_alice.py).
+* quick (<= 60 s): 150 steps, AdamW, RACS, Alice and GaLore at their default learning rates
+  (AdamW 3e-3, RACS 0.1, Alice 0.02, GaLore 1e-2), first seed only.
+* full (<= 10 min): 600 steps. Every optimizer (AdamW, Adafactor, GaLore, RACS, Alice) gets the same
+  3-point learning-rate sweep (default x {1/3, 1, 3}; AdamW {1e-3, 3e-3, 1e-2}) on the first seed at
+  a quarter of the horizon (150 steps, same schedule shape); the best rate then runs the full
+  horizon on the first two seeds. pytorch-optimizer's RACS / Alice run at the rates tuned for ours
+  (first seed).
+
+Measured: validation loss every ``eval_every`` steps; steps for Alice to reach AdamW's final loss
+(linear interpolation between evaluations); optimizer-state bytes (all state tensors, and those of
+the 2-D block weights alone); time per step.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from rankwise.repro.result import MODES, ClaimCheck, ReproResult, Table, environment
+
+logger = logging.getLogger(__name__)
+
+ID = "racs_alice"
+CLAIM = ("Alice reaches Adam(W)'s final loss in less than half the steps and ends lower, while RACS matches "
+         "GaLore-class quality with SGD-like optimizer memory (m + n + 1 floats per matrix); optimizer memory "
+         "orders RACS < GaLore <= Alice < AdamW.")
+
+NAMES = {"adamw": "AdamW", "adafactor": "Adafactor", "galore": "GaLore", "racs": "RACS", "alice": "Alice",
+         "racs_port": "RACS (pytorch-optimizer)", "alice_port": "Alice (pytorch-optimizer)"}
+DEFAULT_LR = {"adamw": 3e-3, "adafactor": 1e-2, "galore": 1e-2, "racs": 0.1, "alice": 0.02}
+GRIDS = {"adamw": (1e-3, 3e-3, 1e-2), "adafactor": (1e-2 / 3, 1e-2, 3e-2), "galore": (1e-2 / 3, 1e-2, 3e-2),
+         "racs": (0.1 / 3, 0.1, 0.3), "alice": (0.02 / 3, 0.02, 0.06)}
+COLUMNS = ["final_val_loss", "steps_to_adamw_final", "state_bytes", "matrix_state_bytes", "ms_per_step", "lr"]
+
+
+@dataclass(frozen=True)
+class _Setup:
+    steps: int
+    seq_len: int
+    batch_size: int
+    eval_windows: int
+    eval_every: int
+    model: dict[str, Any]
+    rank: int
+    leading_basis: int
+    update_interval: int
+    optimizers: tuple[str, ...]
+    n_seeds: int
+    sweep_steps: int | None  # None: no sweep (default learning rates)
+
+
+_MODEL = dict(hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=4, vocab_size=256, max_position_embeddings=256)
+SETUPS = {
+    "smoke": _Setup(10, 32, 4, 4, 5, dict(_MODEL, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2),
+                    8, 2, 5, ("adamw", "racs", "alice"), 1, None),
+    "quick": _Setup(150, 128, 16, 32, 25, _MODEL, 16, 4, 50, ("adamw", "racs", "alice", "galore"), 1, None),
+    "full": _Setup(600, 128, 16, 64, 50, _MODEL, 16, 4, 50,
+                   ("adamw", "adafactor", "galore", "racs", "alice", "racs_port", "alice_port"), 2, 150),
+}
+
+
+def _hp(name: str, s: _Setup) -> dict[str, Any]:
+    if name in ("alice", "alice_port"):
+        return dict(rank=s.rank, leading_basis=s.leading_basis, update_interval=s.update_interval)
+    if name == "galore":
+        return dict(rank=s.rank, update_interval=s.update_interval, scale=0.25)
+    return {}
+
+
+def _matrix_floats(model: torch.nn.Module) -> int:
+    """sum over the 2-D block weights of (m + n + 1): RACS's state size in floats."""
+    from rankwise.train.racs import split_params_for_lowmem
+
+    return sum(p.shape[0] + p.numel() // p.shape[0] + 1 for p in split_params_for_lowmem(model)["matrix"])
+
+
+def _run_one(name: str, lr: float, other_lr: float, seed: int, steps: int, s: _Setup, data: dict[str, torch.Tensor]) -> dict[str, Any]:
+    from rankwise import zoo
+    from rankwise.train.pretrain import make_optimizer, matrix_state_bytes, pretrain
+    from rankwise.train.racs import split_params_for_lowmem
+
+    model = zoo.tiny_llama(seed, **s.model)
+    opt = make_optimizer(name, model, lr, other_lr=other_lr, **_hp(name, s))
+    t0 = time.perf_counter()
+    res = pretrain(model, opt, data["train"], data["eval"], steps, seq_len=s.seq_len, batch_size=s.batch_size,
+                   seed=seed, eval_every=min(s.eval_every, steps))
+    mats = split_params_for_lowmem(model)["matrix"]
+    out = {"name": name, "lr": lr, "seed": seed, "steps": res.eval_steps, "losses": res.eval_losses,
+           "final": res.final_loss, "diverged": res.diverged, "state_bytes": res.state_bytes,
+           "matrix_state_bytes": matrix_state_bytes(opt, mats), "ms_per_step": 1e3 * res.seconds_per_step,
+           "matrix_floats": _matrix_floats(model), "wall_s": time.perf_counter() - t0}
+    logger.info("%s lr=%.3g seed=%d: final %.4f (%.1f s)", name, lr, seed, out["final"], out["wall_s"])
+    return out
+
+
+def _plots(out_dir: Path, runs: dict[str, list[dict[str, Any]]], table: Table, steps: int) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figs = []
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for name, rs in runs.items():
+        finite = [r for r in rs if not r["diverged"]]
+        if not finite:
+            continue
+        xs = finite[0]["steps"]
+        ys = [sum(r["losses"][i] for r in finite) / len(finite) for i in range(len(xs))]
+        ax.plot(xs[1:], ys[1:], marker="o", ms=3, label=NAMES[name], ls="--" if name.endswith("_port") else "-")
+    ax.set_xlabel("step")
+    ax.set_ylabel("validation loss (nats / byte)")
+    ax.set_title(f"tiny Llama, {steps} steps (mean over seeds)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out_dir / "loss_curves.png", dpi=110)
+    plt.close(fig)
+    figs.append("loss_curves.png")
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    names = [n for n in runs if table.values(NAMES[n], "state_bytes")]
+    vals = [table.mean(NAMES[n], "state_bytes") / 1024 for n in names]
+    mvals = [table.mean(NAMES[n], "matrix_state_bytes") / 1024 for n in names]
+    xs = range(len(names))
+    ax.bar([x - 0.2 for x in xs], vals, width=0.4, label="all state")
+    ax.bar([x + 0.2 for x in xs], mvals, width=0.4, label="2-D block weights only")
+    ax.set_xticks(list(xs), [NAMES[n].replace(" (pytorch-optimizer)", "\n(port)") for n in names], fontsize=8)
+    ax.set_ylabel("optimizer state (KiB)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_dir / "state_bytes.png", dpi=110)
+    plt.close(fig)
+    figs.append("state_bytes.png")
+    return figs
+
+
+def run(mode: str, seeds: Sequence[int], out_dir: Path) -> ReproResult:
+    """Run the reproduction in ``mode`` (``smoke``, ``quick``, ``full``) and save ``result.json``."""
+    from rankwise import zoo
+    from rankwise.train.pretrain import byte_stream, eval_windows, steps_to_reach
+
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r} must be one of {list(MODES)}")
+    seeds = [int(x) for x in seeds]
+    if not seeds:
+        raise ValueError("at least one seed is required")
+    t_start = time.perf_counter()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    s = SETUPS[mode]
+    use_seeds = seeds[: s.n_seeds]
+    corpus = zoo.corpus()
+    data = {"train": byte_stream(d.text for d in corpus.split("train")),
+            "eval": eval_windows(byte_stream(d.text for d in corpus.split("eval")), s.seq_len, s.eval_windows)}
+
+    # learning rates: defaults, or the 3-point sweep (first seed, quarter horizon)
+    lrs = {n: DEFAULT_LR[n.replace("_port", "")] for n in s.optimizers}
+    sweep: dict[str, dict[str, float]] = {}
+    if s.sweep_steps is not None:
+        order = ["adamw"] + [n for n in s.optimizers if n in GRIDS and n != "adamw"]
+        for name in order:
+            other = lrs["adamw"]
+            res = {lr: _run_one(name, lr, other, use_seeds[0], s.sweep_steps, s, data)["final"] for lr in GRIDS[name]}
+            sweep[name] = {f"{lr:.4g}": v for lr, v in res.items()}
+            finite = {lr: v for lr, v in res.items() if math.isfinite(v)}
+            lrs[name] = min(finite, key=finite.get) if finite else DEFAULT_LR[name]
+        for port in ("racs_port", "alice_port"):
+            if port in lrs:
+                lrs[port] = lrs[port.replace("_port", "")]
+
+    runs: dict[str, list[dict[str, Any]]] = {n: [] for n in s.optimizers}
+    for seed in use_seeds:
+        for name in s.optimizers:
+            if name.endswith("_port") and seed != use_seeds[0]:
+                continue
+            runs[name].append(_run_one(name, lrs[name], lrs["adamw"], seed, s.steps, s, data))
+
+    table = Table(columns=COLUMNS, notes={
+        "final_val_loss": "nats per byte on the eval split, lower is better",
+        "steps_to_adamw_final": "steps to reach AdamW's final validation loss (same seed); inf = never",
+        "state_bytes": "all optimizer state tensors (bytes)",
+        "matrix_state_bytes": "state of the 2-D block weights only (bytes)",
+        "ms_per_step": "forward + backward + step, ms (contended machine: compare within a run)",
+        "lr": "peak learning rate used"})
+    adamw_final = {r["seed"]: r["final"] for r in runs["adamw"]}
+    for name, rs in runs.items():
+        for r in rs:
+            row = NAMES[name]
+            table.add(row, "final_val_loss", r["final"])
+            target = adamw_final.get(r["seed"], float("nan"))
+            reach = steps_to_reach(r["steps"], r["losses"], target) if not r["diverged"] else float("inf")
+            table.add(row, "steps_to_adamw_final", reach)
+            table.add(row, "state_bytes", r["state_bytes"])
+            table.add(row, "matrix_state_bytes", r["matrix_state_bytes"])
+            table.add(row, "ms_per_step", r["ms_per_step"])
+            table.add(row, "lr", r["lr"])
+
+    T = s.steps
+    checks = []
+    alice_frac = [table.values("Alice", "steps_to_adamw_final")[i] / T for i in range(len(runs["alice"]))]
+    checks.append(ClaimCheck("Alice reaches AdamW's final validation loss within 0.7 x T steps (fraction of T, "
+                             "mean over seeds; paper: < 0.5)", sum(alice_frac) / len(alice_frac), "<=", 0.7))
+    checks.append(ClaimCheck("Alice's final validation loss is at least 0.02 nats below AdamW's (mean over seeds)",
+                             table.mean("Alice", "final_val_loss") - table.mean("AdamW", "final_val_loss"), "<=",
+                             -0.02, unit="nats"))
+    if "galore" in runs:
+        checks.append(ClaimCheck("RACS's final validation loss is within 0.05 nats of GaLore's",
+                                 table.mean("RACS", "final_val_loss") - table.mean("GaLore", "final_val_loss"),
+                                 "<=", 0.05, unit="nats"))
+    racs = runs["racs"][0]
+    checks.append(ClaimCheck("RACS keeps exactly m + n + 1 floats per matrix (|state bytes - 4 sum(m+n+1)|)",
+                             abs(racs["matrix_state_bytes"] - 4 * racs["matrix_floats"]), "<=", 0, unit="bytes"))
+    if "galore" in runs:
+        b = {n: table.mean(NAMES[n], "state_bytes") for n in ("racs", "galore", "alice", "adamw")}
+        checks.append(ClaimCheck("optimizer state: RACS < GaLore", b["galore"] - b["racs"], ">", 0, unit="bytes"))
+        checks.append(ClaimCheck("optimizer state: GaLore <= Alice", b["alice"] - b["galore"], ">=", 0, unit="bytes"))
+        checks.append(ClaimCheck("optimizer state: Alice < AdamW", b["adamw"] - b["alice"], ">", 0, unit="bytes"))
+
+    figures = _plots(out_dir, runs, table, T)
+    notes = [
+        f"{mode} mode: {T} steps, seeds {use_seeds} (of {seeds}); learning rates {', '.join(f'{NAMES[n]} {lr:.3g}' for n, lr in lrs.items())}.",
+        "Byte-level tokens, so losses are nats per byte. RACS/Alice/GaLore act on the 2-D block weights; embeddings, "
+        "LM head and norms use AdamW at AdamW's learning rate in every run, so the state-byte totals share that part "
+        "and differ only by the block-weight state.",
+        "The paper's claims are for LLaMA 60M-1B on C4; at this scale the speed-up is expected only qualitatively "
+        "(spec), and RACS is not claimed to beat AdamW (its point is memory).",
+    ]
+    if s.sweep_steps is not None:
+        notes.append(f"Every optimizer had the same 3-point learning-rate sweep on seed {use_seeds[0]} at "
+                     f"{s.sweep_steps} steps (a quarter of the horizon, same schedule shape): {sweep}. Full mode runs "
+                     f"{T} steps instead of the spec's 800 so that five equal sweeps fit the 10-minute budget; the "
+                     "thresholds are the spec's fractions of T.")
+    else:
+        notes.append("No learning-rate sweep in this mode: each optimizer runs at the spec's default rate.")
+    if "racs_port" in runs:
+        diffs = {NAMES[n]: table.mean(NAMES[n], "final_val_loss") - table.mean(NAMES[n.replace('_port', '')], "final_val_loss")
+                 for n in ("racs_port", "alice_port") if runs.get(n)}
+        notes.append(f"pytorch-optimizer's ports at our tuned rates (first seed): final-loss difference port - ours "
+                     f"{ {k: round(v, 4) for k, v in diffs.items()} }. They differ by design: the RACS port uses row/"
+                     "column means (no fixed point); the Alice port starts its basis from the zero matrix, samples the "
+                     "complement at random and keeps Q in old coordinates (see docs/methods/racs_alice.md).")
+    failed = [c for c in checks if not c.holds]
+    if failed:
+        notes.append("Claims that did not hold here: " + "; ".join(c.statement for c in failed) + ".")
+        if any(c.statement.startswith("RACS's final") for c in failed):
+            notes.append("RACS has no momentum and only a rank-1 diagonal preconditioner; at ~0.1M block parameters "
+                         "it trails the Adam-type optimizers (the spec's own one-seed check found RACS behind AdamW "
+                         "at this scale); the paper shows its advantage at 1B parameters.")
+        if any(c.statement.startswith("Alice") for c in failed):
+            notes.append("The spec expects Alice's speed-up only qualitatively at this scale (a few hundred steps of "
+                         "a 0.1M-parameter model); the measurement is reported as is.")
+    result = ReproResult(
+        id=ID, mode=mode, seeds=use_seeds, claim=CLAIM, table=table, checks=checks, figures=figures,
+        notes=" ".join(notes),
+        config={"steps": T, "seq_len": s.seq_len, "batch_size": s.batch_size, "eval_windows": s.eval_windows,
+                "eval_every": s.eval_every, "model": s.model, "alice": {"rank": s.rank, "leading_basis": s.leading_basis,
+                "update_interval": s.update_interval}, "galore": {"rank": s.rank, "update_interval": s.update_interval,
+                "scale": 0.25}, "lrs": lrs, "sweep_steps": s.sweep_steps, "optimizers": list(s.optimizers),
+                "corpus_sha256": corpus.info.get("sha256")},
+        wall_time_s=time.perf_counter() - t_start, environment=environment(use_seeds),
+        extra={"curves": {n: [{"seed": r["seed"], "lr": r["lr"], "steps": r["steps"], "losses": r["losses"]}
+                              for r in rs] for n, rs in runs.items()}, "sweep": sweep},
+    )
+    result.save(out_dir)
+    return result
