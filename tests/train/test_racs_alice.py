@@ -409,8 +409,8 @@ def test_both_optimizers_reduce_a_least_squares_loss():
             loss = (a @ w - target).square().mean()
             loss.backward()
             opt.step()
-            first = first if first is not None else float(loss)
-        assert float(loss) < 0.3 * first
+            first = first if first is not None else float(loss.detach())
+        assert float(loss.detach()) < 0.3 * first
 
 
 def test_zero_gradient_gives_no_nan():
@@ -559,3 +559,44 @@ def test_split_params_rejects_models_without_matrices():
 def test_lowmem_optimizer_rejects_bad_config():
     with pytest.raises(TypeError, match="LowMemConfig"):
         lowmem_optimizer(_model(), AliceConfig())
+
+
+# --------------------------------------------------------------------------------------------------
+# the shared pretraining loop (rankwise.train.pretrain)
+
+
+def test_pretrain_helpers():
+    from rankwise.train.pretrain import byte_stream, eval_windows, lr_factor, random_batch, steps_to_reach
+
+    s = byte_stream(["ab", "é"])
+    assert s.tolist() == [97, 98, 0, 0xC3, 0xA9, 0]
+    assert eval_windows(torch.arange(10), 3).shape == (3, 3)
+    b = random_batch(torch.arange(100), 8, 4, _gen(0))
+    assert b.shape == (4, 8) and torch.equal(b[:, 1:] - b[:, :-1], torch.ones(4, 7, dtype=torch.long))
+    assert lr_factor(0, 100, 10) == pytest.approx(0.1) and lr_factor(9, 100, 10) == 1.0
+    assert lr_factor(100, 100, 10) == pytest.approx(0.0, abs=1e-12)
+    assert steps_to_reach([0, 50, 100], [3.0, 2.0, 1.0], 1.5) == pytest.approx(75.0)
+    assert steps_to_reach([0, 50], [3.0, 2.0], 1.0) == float("inf")
+    with pytest.raises(ValueError, match="optimizer"):
+        from rankwise.train.pretrain import make_optimizer
+
+        make_optimizer("sgd", _model(), 0.1)
+
+
+def test_every_optimizer_of_the_comparison_trains_a_tiny_llama():
+    from rankwise import zoo
+    from rankwise.train.pretrain import OPTIMIZERS, eval_windows, make_optimizer, matrix_state_bytes, pretrain
+
+    stream = torch.randint(1, 256, (4000,), generator=_gen(40))
+    ev = eval_windows(stream[:512], 32)
+    hp = {"galore": dict(rank=4, update_interval=2), "alice": dict(rank=4, leading_basis=2, update_interval=2),
+          "alice_port": dict(rank=4, leading_basis=2, update_interval=2)}
+    sizes = {}
+    for name in OPTIMIZERS:
+        model = zoo.tiny_llama(0, hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
+                               num_key_value_heads=2)
+        opt = make_optimizer(name, model, 1e-2, other_lr=1e-3, **hp.get(name, {}))
+        res = pretrain(model, opt, stream, ev, 3, seq_len=32, batch_size=2, eval_every=3)
+        assert not res.diverged and len(res.eval_losses) == 2 and res.state_bytes > 0, name
+        sizes[name] = matrix_state_bytes(opt, split_params_for_lowmem(model)["matrix"])
+    assert sizes["racs"] == sizes["racs_port"] < sizes["galore"] <= sizes["alice"] < sizes["adamw"]

@@ -55,6 +55,7 @@ from rankwise.train.racs import (
     _positive,
     _real,
     _state_dtype,
+    _user_stacklevel,
     norm_growth_limit,
     split_params_for_lowmem,
 )
@@ -269,7 +270,7 @@ class Alice(LowMemOptimizer):
                    f"of shape {tuple(p.shape)}")
             if self.strict:
                 raise ValueError(msg + f"; use rank <= {small} (or strict=False to clip)")
-            warnings.warn(msg + f"; it is clipped to {small} for that parameter", UserWarning, stacklevel=4)
+            warnings.warn(msg + f"; it is clipped to {small} for that parameter", UserWarning, stacklevel=_user_stacklevel())
 
     @staticmethod
     def _ranks(group: dict[str, Any], m: int) -> tuple[int, int]:

@@ -113,6 +113,19 @@ def _gamma(value: Any) -> float:
     return v
 
 
+def _user_stacklevel() -> int:
+    """The ``warnings.warn`` stacklevel that points at the first frame outside rankwise.train and torch.optim."""
+    import sys
+
+    frame, level = sys._getframe(1), 1
+    while frame is not None:
+        name = frame.f_code.co_filename.replace("\\", "/")
+        if "/rankwise/train/" not in name and "/torch/optim/" not in name:
+            return level
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def _bool(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool, got {type(value).__name__} ({value!r})")
@@ -276,7 +289,7 @@ class LowMemOptimizer(torch.optim.Optimizer):
                     warnings.warn(f"{self.method_name}: a {p.ndim}-D parameter of shape {tuple(p.shape)} in "
                                   f"param group {index} is routed to AdamW (the {self.method_name} update needs a "
                                   "matrix); put it in a group with use_adamw=True to silence this",
-                                  UserWarning, stacklevel=3)
+                                  UserWarning, stacklevel=_user_stacklevel())
 
     def _validate_common(self, group: dict[str, Any], index: int) -> None:
         where = f"param group {index}: "
@@ -339,7 +352,7 @@ class LowMemOptimizer(torch.optim.Optimizer):
                     if self.nonfinite == "raise":
                         raise NumericalError(msg)
                     self.nonfinite_skips.append((step, gi, pi, shape))
-                    warnings.warn(msg + "; its update is skipped", RuntimeWarning, stacklevel=2)
+                    warnings.warn(msg + "; its update is skipped", RuntimeWarning, stacklevel=_user_stacklevel())
                     continue
                 state["shape"] = shape
                 state["step"] = int(state.get("step", 0)) + 1
