@@ -340,3 +340,137 @@ def test_singular_h_is_rescued_by_ridge():
     assert torch.isfinite(f.product()).all()
     with pytest.raises(NumericalError):
         saes.cealc_factors(W, H, Dl, 0.5, 3, ridge=0.0)
+
+
+# ---------------------------------------------------------------- through the shared pipeline
+
+
+def _bert(seed: int = 0, layers: int = 3):
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(seed)
+    cfg = BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=layers, num_attention_heads=2,
+                     intermediate_size=32, max_position_embeddings=32)
+    return BertModel(cfg).eval()
+
+
+def _batches(n: int = 3, seed: int = 0, vocab: int = 64):
+    g = gen(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, vocab, (4, 8), generator=g)
+        am = torch.ones(4, 8, dtype=torch.long)
+        am[1, 5:] = 0
+        out.append({"input_ids": ids, "attention_mask": am})
+    return out
+
+
+class _Recorder(saes.SAESMethod):
+    """Keeps the paired statistics it was given (for checks of the closed loop)."""
+
+    name = "saes-svd-recorder-test"
+    seen: dict = {}
+
+    def fit(self, name, layer, rank, stats=None, paired=None):
+        type(self).seen[name] = paired
+        return super().fit(name, layer, rank, stats, paired)
+
+
+def test_pipeline_closed_loop_statistics():
+    from rankwise.compress.base import register_layer_method
+    from rankwise.compress.pipeline import CompressConfig, compress
+    from rankwise.core.stats import collect
+
+    register_layer_method(_Recorder)
+    model = _bert()
+    bs = _batches()
+    fp_stats = collect(_bert(), bs, "re:.*layer\\.2\\.attention\\.self\\.query", kinds=("input_cov",))
+    _Recorder.seen = {}
+    rep = compress(model, CompressConfig(method=_Recorder.name, ratio=0.5), bs)
+    seen = _Recorder.seen
+    assert len(seen) == 18 and rep.extra["mode"] == "blocks" and rep.extra["feed"] == "compressed"
+    # nothing upstream of block 0's first group is compressed: Delta = 0 there, and ACES returns beta_min
+    first = seen["encoder.layer.0.attention.self.query"]
+    assert float(first.Delta.abs().max()) == 0.0
+    assert rep.layers[0].info["aces_reason"] == "delta_zero" and rep.layers[0].info["beta"] == 0.25
+    # block 2's inputs changed because blocks 0-1 were compressed: H != the FP model's X^T X, Delta != 0
+    later = seen["encoder.layer.2.attention.self.query"]
+    H_fp = fp_stats["encoder.layer.2.attention.self.query"].input_cov(normalized=False)
+    assert later.tokens == fp_stats["encoder.layer.2.attention.self.query"].n_tokens == 3 * 29
+    assert float((later.H - H_fp).abs().max()) > 1e-4 * float(H_fp.abs().max())
+    assert float(later.Delta.abs().max()) > 0
+    # H + Delta^T = X_f X^T and the FP covariance is X_f X_f^T: a consistency check of the two streams
+    for l in rep.layers:
+        lo, hi = l.info["interval"]
+        assert lo <= l.info["beta"] <= hi and 0 < l.info["rer_exact"] <= 1
+
+
+def test_pipeline_beta_zero_equals_svd_llm_fed_by_the_compressed_model():
+    from rankwise.compress.pipeline import CompressConfig, compress
+
+    bs = _batches(seed=1)
+    a, b = _bert(), _bert()
+    compress(a, saes.SAESConfig(compression_ratio=0.5, beta=0.0), bs)
+    compress(b, CompressConfig(method="svd-llm", ratio=0.5, feed="compressed"), bs, mode="blocks")
+    for (na, ma), (nb, mb) in zip(a.named_modules(), b.named_modules()):
+        if hasattr(ma, "to_dense"):
+            torch.testing.assert_close(ma.to_dense(), mb.to_dense(), rtol=1e-4, atol=1e-6)
+
+
+def test_saes_svd_compress_entry_and_report():
+    from rankwise.core.layers import LowRankLinear
+    from rankwise.core.registry import get
+
+    model = _bert(layers=2)
+    cfg = saes.SAESConfig(compression_ratio=0.5, targets=("query", "value"))
+    rep = get("saes_svd").entry(model, _batches(seed=2), cfg)
+    assert isinstance(rep, saes.SAESReport)
+    assert set(rep.ranks) == {f"encoder.layer.{i}.attention.self.{t}" for i in range(2) for t in ("query", "value")}
+    assert all(r == saes.saes_rank(16, 16, 0.5) for r in rep.ranks.values())
+    assert set(rep.beta_per_layer) == set(rep.ranks) and rep.seconds_aces >= 0
+    assert all(v is not None for v in rep.rer_surrogate.values())
+    assert isinstance(model.encoder.layer[1].attention.self.value, LowRankLinear)
+    assert not isinstance(model.encoder.layer[1].attention.self.key, LowRankLinear)
+    out = model(**_batches()[0]).last_hidden_state
+    assert torch.isfinite(out).all()
+
+
+def test_pipeline_empty_calibration_and_bad_options():
+    from rankwise.compress.pipeline import CompressConfig, compress
+    from rankwise.core.stats import CalibrationError
+
+    model = _bert(layers=1)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(CalibrationError, match="empty"):
+        saes.saes_svd_compress(model, [], saes.SAESConfig())
+    with pytest.raises(TypeError, match="unknown SAES-SVD option"):
+        compress(model, CompressConfig(method="saes-svd", ratio=0.5, options={"alpha": 1.0}), _batches())
+    with pytest.raises(ValueError, match="beta"):
+        compress(model, CompressConfig(method="saes-svd", ratio=0.5, options={"beta": 1.5}), _batches())
+    with pytest.raises(ValueError, match="feed='compressed'"):
+        CompressConfig(method="saes-svd", ratio=0.5, feed="original")
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("kw,field", [
+    (dict(compression_ratio=1.0), "compression_ratio"), (dict(compression_ratio=-0.1), "compression_ratio"),
+    (dict(beta=1.0), "beta"), (dict(beta=-0.2), "beta"), (dict(beta="fixed"), "beta"),
+    (dict(beta=float("nan")), "beta"), (dict(beta_bounds=(0.8, 0.2)), "lower bound"),
+    (dict(beta_bounds=(0.2, 1.0)), "beta_bounds"), (dict(bounds_on="gamma"), "bounds_on"),
+    (dict(beta_cap=1.0), "beta_cap"), (dict(shrink=0.0), "shrink"), (dict(aces_objective="x"), "aces_objective"),
+    (dict(ridge=-1.0), "ridge"), (dict(ridge_retries=-1), "ridge_retries"), (dict(whitener="qr"), "whitener"),
+    (dict(targets=()), "targets"),
+])
+def test_config_validation(kw, field):
+    with pytest.raises(ValueError, match=field):
+        saes.SAESConfig(**kw)
+
+
+def test_config_alpha_bounds_and_defaults():
+    cfg = saes.SAESConfig(bounds_on="alpha")
+    assert cfg.interval == pytest.approx((0.2, 3 / 7))
+    d = saes.SAESConfig()
+    assert (d.beta, d.beta_bounds, d.beta_cap, d.shrink, d.aces_objective, d.refine, d.ridge) == \
+        ("aces", (0.25, 0.75), 0.95, 1.0, "ratio", False, 1e-6)
+    cc = saes.SAESConfig(compression_ratio=0.6).to_compress_config()
+    assert cc.method == "saes-svd" and cc.ratio == pytest.approx(0.4)

@@ -51,7 +51,7 @@ from typing import Any, Literal, NamedTuple, Sequence
 import torch
 from torch import nn
 
-from rankwise.compress.base import LayerMethod, PairedStats, register_layer_method
+from rankwise.compress.base import CompressionReport, LayerMethod, PairedStats, register_layer_method
 from rankwise.core.errors import NumericalError
 from rankwise.core.linalg import LowRankFactors, check_finite, damped_cholesky, factors_from_svd
 from rankwise.core.registry import register
@@ -64,7 +64,7 @@ __all__ = [
     "SAESConfig", "SAESMethod", "PairedAccumulator", "AcesCoefficients", "AcesResult", "CealcWhitening",
     "saes_rank", "beta_from_alpha", "alpha_from_beta", "beta_interval", "cealc_whitening", "cealc_target",
     "cealc_factors", "cealc_objective", "retained_energy_ratio", "aces_coefficients", "aces_surrogate",
-    "aces_stationary_points", "aces_beta", "saes_svd_compress",
+    "aces_stationary_points", "aces_beta", "saes_svd_compress", "SAESReport",
 ]
 
 
@@ -297,12 +297,48 @@ def _right_solve(M: Tensor, S: Tensor, kind: str) -> Tensor:
 
 
 def _targets(W: Tensor, H: Tensor, D: Tensor, wh: CealcWhitening) -> tuple[Tensor, Tensor]:
-    """``S_l = W (H + lam I) S^{-T}`` and ``D_l = W Delta S^{-T}`` (``G(beta) = S_l + beta D_l``)."""
-    n = H.shape[0]
-    Hl = H + wh.lam * torch.eye(n, dtype=H.dtype, device=H.device)
-    S_l = _right_solve_T(W @ Hl, wh.S, wh.kind)
-    D_l = _right_solve_T(W @ D, wh.S, wh.kind)
+    """``S_l = W (H + lam I) S^{-T} = W S`` (exactly, as ``H + lam I = S S^T``) and ``D_l = W Delta S^{-T}``.
+
+    ``G(beta) = S_l + beta D_l``; ``D_l`` is zero when ``Delta`` is.
+    """
+    S_l = W @ wh.S
+    D_l = _right_solve_T(W @ D, wh.S, wh.kind) if bool(D.any()) else torch.zeros_like(S_l)
     return S_l, D_l
+
+
+def _gram_eig(M: Tensor) -> tuple[Tensor, Tensor, bool]:
+    """Eigenpairs (descending) of the Gram matrix of ``M`` on its smaller side; ``left`` says which side."""
+    left = M.shape[0] <= M.shape[1]
+    C = M @ M.mT if left else M.mT @ M
+    lam, V = torch.linalg.eigh(0.5 * (C + C.mT))
+    return lam.flip(0).clamp_min(0), V.flip(1), left
+
+
+def _energy_ratio_gram(M: Tensor, rank: int) -> float:
+    """``sum_{i<=r} sigma_i^2 / sum sigma_i^2`` from the eigenvalues of the smaller Gram matrix (fast)."""
+    left = M.shape[0] <= M.shape[1]
+    lam = torch.linalg.eigvalsh(M @ M.mT if left else M.mT @ M).flip(0).clamp_min(0)
+    tot = float(lam.sum())
+    return 1.0 if tot == 0 else float(lam[:rank].sum()) / tot
+
+
+def _top_subspace(M: Tensor, rank: int) -> tuple[Tensor, Tensor]:
+    """Top-``rank`` singular vectors ``U_r`` (``m x r``), ``V_r^T`` (``r x n``) of ``M``.
+
+    Through an eigendecomposition of the smaller Gram matrix (``O(m n min(m, n))``, several times
+    faster than an SVD at LLM shapes); falls back to the SVD when ``sigma_r`` is tiny relative to
+    ``sigma_1`` (the Gram route then loses the ``r``-th direction to rounding).
+    """
+    lam, V, left = _gram_eig(M)
+    if float(lam[rank - 1]) <= 1e-10 * float(lam[0]):
+        U, _, Vh = torch.linalg.svd(M, full_matrices=False)
+        return U[:, :rank], Vh[:rank]
+    sig = lam[:rank].sqrt()
+    if left:
+        U = V[:, :rank]
+        return U, (M.mT @ U / sig).mT
+    Vr = V[:, :rank]
+    return M @ Vr / sig, Vr.mT
 
 
 def cealc_target(
@@ -564,18 +600,268 @@ def _check_cap_shrink(beta_cap: Any, shrink: Any) -> None:
 def _aces_from_targets(S_l: Tensor, D_l: Tensor, rank: int, lo: float, hi: float, beta_cap: float, shrink: float,
                        objective: Objective, refine: bool, *, delta_zero: bool,
                        svd_S: tuple[Tensor, Tensor] | None = None) -> AcesResult:
-    U = Vh = None
-    if svd_S is not None:
-        U, Vh = svd_S
+    U, Vh = svd_S if svd_S is not None else _top_subspace(S_l, rank)
     coef = aces_coefficients(S_l, D_l, rank, U=U, Vh=Vh)
     if delta_zero:  # nothing to compensate: the lower bound, without solving Eq. 19
         return AcesResult(beta=lo, rho_surrogate=float(aces_surrogate(coef, lo, objective)), interval=(lo, hi),
                           candidates=[lo], roots=[], coefficients=coef, objective=objective, reason="delta_zero")
     beta, val, cands, roots, reason = _aces_pick(coef, lo, hi, beta_cap, shrink, objective)
     if refine and reason == "solved":
-        Ug, _, Vhg = torch.linalg.svd(S_l + beta * D_l, full_matrices=False)
-        coef = aces_coefficients(S_l, D_l, rank, U=Ug[:, :rank], Vh=Vhg[:rank])
+        Ug, Vhg = _top_subspace(S_l + beta * D_l, rank)
+        coef = aces_coefficients(S_l, D_l, rank, U=Ug, Vh=Vhg)
         beta, val, cands, roots, reason = _aces_pick(coef, lo, hi, beta_cap, shrink, objective)
         reason = "refined" if reason == "solved" else reason
     return AcesResult(beta=beta, rho_surrogate=val, interval=(lo, hi), candidates=cands, roots=roots,
                       coefficients=coef, objective=objective, reason=reason)
+
+
+# ----------------------------------------------------------------------------------------------
+# configuration and the per-layer method
+
+
+@dataclass(frozen=True)
+class SAESConfig:
+    """SAES-SVD settings (the paper's defaults; choices marked in the module docstring).
+
+    Attributes:
+        compression_ratio: fraction of each target layer's parameters REMOVED, in ``[0, 1)`` (paper
+            convention: 0.2 keeps 80%); rank ``floor((1 - ratio) m n / (m + n))``.
+        beta: ``"aces"`` (per-layer adaptive, Alg. 3) or a fixed ``beta`` in ``[0, 1)`` (CEALC with
+            ``alpha = beta / (1 - beta)``; ``0.0`` = SVD-LLM with sequential, compressed-upstream inputs).
+        beta_bounds: ACES search interval (``(0.25, 0.75)``, Table 4), on ``beta`` or on ``alpha`` (``bounds_on``).
+        beta_cap: guardrail cap ``< 1`` on every candidate (0.95). shrink: factor in ``(0, 1]`` (1.0).
+        aces_objective: ``"ratio"`` (Eq. 17, recommended) or ``"energy"`` (tail only).
+        refine: one refinement of the subspace at ``G(beta*)`` (App. A.3).
+        targets: module-name patterns (``None`` = every ``nn.Linear`` the pipeline's selector allows).
+        ridge: relative ridge of the whitening (``1e-6 * mean diag H``), x10 per failed Cholesky, at
+            most ``ridge_retries`` (5) times. whitener: ``"cholesky"`` (paper) or ``"symmetric"``.
+        exact_rer: also log the exact RER at ``beta*`` and at both interval ends (two extra
+            ``svdvals`` per layer; the spec's check of the FS-FOA surrogate).
+    """
+
+    compression_ratio: float = 0.2
+    beta: float | str = "aces"
+    beta_bounds: tuple[float, float] = (0.25, 0.75)
+    bounds_on: Literal["beta", "alpha"] = "beta"
+    beta_cap: float = 0.95
+    shrink: float = 1.0
+    aces_objective: Objective = "ratio"
+    refine: bool = False
+    targets: tuple[str, ...] | None = None
+    ridge: float = 1e-6
+    ridge_retries: int = 5
+    whitener: Whitener = "cholesky"
+    exact_rer: bool = True
+
+    def __post_init__(self) -> None:
+        saes_rank(2, 2, self.compression_ratio)  # validates the ratio
+        if isinstance(self.beta, str):
+            if self.beta != "aces":
+                raise ValueError(f"beta={self.beta!r} must be 'aces' or a number in [0, 1)")
+        else:
+            _check_beta(self.beta)
+        object.__setattr__(self, "beta_bounds", tuple(self.beta_bounds))
+        beta_interval(self.beta_bounds, self.bounds_on)
+        _check_cap_shrink(self.beta_cap, self.shrink)
+        if self.aces_objective not in ("ratio", "energy"):
+            raise ValueError(f"aces_objective={self.aces_objective!r} must be 'ratio' or 'energy'")
+        if not isinstance(self.refine, bool) or not isinstance(self.exact_rer, bool):
+            raise TypeError("refine and exact_rer must be bools")
+        r = _finite_number(self.ridge, "ridge")
+        if r < 0:
+            raise ValueError(f"ridge={self.ridge!r} must be >= 0")
+        if isinstance(self.ridge_retries, bool) or not isinstance(self.ridge_retries, int) or self.ridge_retries < 0:
+            raise ValueError(f"ridge_retries={self.ridge_retries!r} must be an int >= 0")
+        if self.whitener not in ("cholesky", "symmetric"):
+            raise ValueError(f"whitener={self.whitener!r} must be 'cholesky' or 'symmetric'")
+        if self.targets is not None:
+            t = (self.targets,) if isinstance(self.targets, str) else tuple(self.targets)
+            if not t or not all(isinstance(x, str) for x in t):
+                raise ValueError(f"targets={self.targets!r} must be None or a non-empty sequence of name patterns")
+            object.__setattr__(self, "targets", t)
+
+    @property
+    def keep(self) -> float:
+        """Fraction of parameters kept, ``1 - compression_ratio``."""
+        return 1.0 - self.compression_ratio
+
+    @property
+    def interval(self) -> tuple[float, float]:
+        """The ``beta`` interval ACES searches."""
+        return beta_interval(self.beta_bounds, self.bounds_on)
+
+    def rank(self, m: int, n: int) -> int:
+        """The uniform rank of an ``m x n`` layer."""
+        return saes_rank(m, n, self.compression_ratio)
+
+    def method_options(self) -> dict[str, Any]:
+        """The fields that configure :class:`SAESMethod` (everything but the ratio and the targets)."""
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__ if k not in ("compression_ratio", "targets")}
+        d["beta_bounds"] = list(self.beta_bounds)
+        return d
+
+    def to_compress_config(self) -> Any:
+        """The equivalent :class:`~rankwise.compress.pipeline.CompressConfig` (kept fraction ``1 - ratio``, uniform ranks)."""
+        from rankwise.compress.pipeline import CompressConfig
+
+        return CompressConfig(method="saes-svd", ratio=self.keep, allocation="uniform", options=self.method_options())
+
+
+@register_layer_method
+class SAESMethod(LayerMethod):
+    """SAES-SVD as a per-layer method of the shared pipeline (``compress(..., method="saes-svd")``).
+
+    ``paired = True``: the pipeline hands :class:`~rankwise.compress.base.PairedStats` (``H``, ``Delta``
+    of the layer on the same tokens in the partially compressed and the FP model); ``feed =
+    "compressed"``: a layer's statistics are collected after every layer feeding it was compressed.
+    :meth:`info` returns the per-layer diagnostics of the last :meth:`fit` (chosen ``beta``, exact and
+    surrogate RER, ridge, time of ACES).
+    """
+
+    name = "saes-svd"
+    needs = ()
+    feed = "compressed"
+    paired = True
+    needs_grad = False
+
+    def __init__(self, config: SAESConfig | None = None, **options: Any):
+        if config is not None and not isinstance(config, SAESConfig):
+            raise TypeError(f"config must be an SAESConfig, got {type(config).__name__}")
+        cfg = config or SAESConfig()
+        if options:
+            from dataclasses import replace
+
+            unknown = sorted(set(options) - set(SAESConfig.__dataclass_fields__))
+            if unknown:
+                raise TypeError(f"unknown SAES-SVD option(s) {unknown}; valid: {sorted(SAESConfig.__dataclass_fields__)}")
+            if "beta_bounds" in options:
+                options["beta_bounds"] = tuple(options["beta_bounds"])
+            cfg = replace(cfg, **options)
+        self.config = cfg
+        self._info: dict[str, Any] = {}
+
+    def rank_for(self, m: int, n: int) -> int:
+        return self.config.rank(m, n)
+
+    def fit(self, name: str, layer: nn.Linear, rank: int, stats: Any = None,
+            paired: PairedStats | None = None) -> LowRankFactors:
+        """CEALC factors of ``layer`` at ``rank`` with ``beta`` fixed or chosen by ACES."""
+        cfg = self.config
+        if paired is None:
+            raise ValueError(f"SAES-SVD needs paired statistics (H, Delta) for layer {name!r}; run it through "
+                             "the compression pipeline, which collects them")
+        if not isinstance(layer, nn.Linear):
+            raise TypeError(f"layer {name!r} is a {type(layer).__name__}, SAES-SVD compresses nn.Linear layers")
+        if paired.tokens <= 0:
+            raise ValueError(f"layer {name!r}: no calibration token (empty calibration set)")
+        t0 = time.perf_counter()
+        W, H, Dl = _prep(layer.weight, paired.H, paired.Delta, name)
+        _check_rank(rank, *W.shape, name)
+        wh = cealc_whitening(H, ridge=cfg.ridge, retries=cfg.ridge_retries, whitener=cfg.whitener, name=name)
+        S_l, D_l = _targets(W, H, Dl, wh)
+        lo, hi = cfg.interval
+        delta_zero = not bool(Dl.any())
+        t1 = time.perf_counter()
+        aces: AcesResult | None = None
+        if cfg.beta == "aces":
+            aces = _aces_from_targets(S_l, D_l, rank, lo, hi, cfg.beta_cap, cfg.shrink, cfg.aces_objective,
+                                      cfg.refine, delta_zero=delta_zero)
+            beta = aces.beta
+        else:
+            beta = float(cfg.beta)
+        t2 = time.perf_counter()
+        factors, sig = _factors_from_target(S_l + beta * D_l, wh, rank, name)
+        s2 = sig.square()
+        tot = float(s2.sum())
+        info: dict[str, Any] = {
+            "beta": beta, "alpha": beta / (1.0 - beta), "rer_exact": float(s2[:rank].sum()) / tot if tot > 0 else 1.0,
+            "ridge_abs": wh.lam, "cholesky_attempts": wh.attempts, "delta_zero": delta_zero,
+            "delta_rel": float(torch.linalg.matrix_norm(Dl) / torch.linalg.matrix_norm(H).clamp_min(1e-300)),
+            "tokens": int(paired.tokens), "seconds_aces": t2 - t1, "seconds_total": 0.0,
+        }
+        if aces is not None:
+            info.update(rer_surrogate=1.0 - aces.rho_surrogate if cfg.aces_objective == "ratio" else float("nan"),
+                        aces_reason=aces.reason, aces_candidates=list(aces.candidates), aces_roots=list(aces.roots))
+            if aces.coefficients is not None and cfg.aces_objective == "energy":
+                c = aces.coefficients
+                info["rer_surrogate"] = 1.0 - c.tail(beta) / c.total(beta) if c.total(beta) > 0 else 1.0
+        if cfg.exact_rer:
+            info["rer_exact_lo"] = _energy_ratio_gram(S_l + lo * D_l, rank)
+            info["rer_exact_hi"] = _energy_ratio_gram(S_l + hi * D_l, rank)
+            info["interval"] = [lo, hi]
+        info["seconds_total"] = time.perf_counter() - t0
+        self._info = info
+        return factors
+
+    def info(self) -> dict[str, Any]:
+        return dict(self._info)
+
+
+# ----------------------------------------------------------------------------------------------
+# entry point
+
+
+@dataclass
+class SAESReport(CompressionReport):
+    """:class:`~rankwise.compress.base.CompressionReport` with SAES-SVD's per-layer diagnostics as properties."""
+
+    def _info(self, key: str) -> dict[str, Any]:
+        return {l.name: l.info.get(key) for l in self.layers}
+
+    @property
+    def beta_per_layer(self) -> dict[str, float]:
+        """The ``beta`` each layer was compressed with (ACES's choice or the fixed value)."""
+        return self._info("beta")
+
+    @property
+    def rer_exact(self) -> dict[str, float]:
+        """Exact retained energy ratio of ``G(beta)`` at the layer's rank (Eq. 14)."""
+        return self._info("rer_exact")
+
+    @property
+    def rer_surrogate(self) -> dict[str, float | None]:
+        """FS-FOA estimate ``1 - rho~(beta)`` of the RER (ACES only)."""
+        return self._info("rer_surrogate")
+
+    @property
+    def seconds_aces(self) -> float:
+        """Time spent choosing ``beta`` (ACES), summed over layers."""
+        return float(sum(l.info.get("seconds_aces", 0.0) for l in self.layers))
+
+
+def saes_svd_compress(
+    model: nn.Module,
+    calib: Any,
+    config: SAESConfig | None = None,
+    *,
+    target: Any = None,
+    forward: Any = None,
+    mask: Any = "auto",
+    blocks: str | None = None,
+    progress: bool = False,
+) -> SAESReport:
+    """Compress ``model`` in place with SAES-SVD (block-sequential closed loop, uniform ranks).
+
+    Runs the shared pipeline (:func:`rankwise.compress.pipeline.compress`, ``mode="blocks"``): block by
+    block and, inside a block, group by group (BERT ``{q, k, v} -> attn-out -> FFN-in -> FFN-out``), the
+    group's ``H`` and ``Delta`` are collected on the same calibration tokens from the partially
+    compressed model and from the full-precision one (padding excluded), each layer's ``beta`` is
+    fixed or chosen by ACES, and the layer is replaced by a ``LowRankLinear``. ``target`` defaults to
+    ``config.targets`` (``None``: every ``nn.Linear`` inside the transformer blocks).
+
+    Returns an :class:`SAESReport`: ``ranks``, ``beta_per_layer``, ``rer_exact``, ``rer_surrogate``,
+    the time of statistics collection (``seconds_calibration``) and of ACES (``seconds_aces``).
+    """
+    from rankwise.compress.pipeline import compress
+
+    cfg = config or SAESConfig()
+    if not isinstance(cfg, SAESConfig):
+        raise TypeError(f"config must be an SAESConfig, got {type(cfg).__name__}")
+    report = compress(model, cfg, calib, target=target if target is not None else cfg.targets, mode="blocks",
+                      forward=forward, mask=mask, blocks=blocks, progress=progress)
+    out = SAESReport(**{f: getattr(report, f) for f in CompressionReport.__dataclass_fields__})
+    out.extra["seconds_aces"] = out.seconds_aces
+    return out
+
+
+register("saes_svd", config=SAESConfig, entry=saes_svd_compress)
