@@ -287,7 +287,7 @@ def test_recompute_storage_and_layer_groups_equal_token_storage():
 def test_kfac_ablation_equals_core_stats_kfac():
     model = Tiny()
     bs = batches(seed=3)
-    fac = gf.collect_kronecker_fisher(model, bs, loss_fn, gf.GFWSVDConfig(factors="kfac", targets=("fc2",)), forward=fwd)
+    fac = gf.collect_kronecker_fisher(model, bs, loss_fn, gf.GFWSVDConfig(approximation="kfac", targets=("fc2",)), forward=fwd)
     st = collect(model, bs, "fc2", kinds=("kfac",), forward=fwd, loss_fn=loss_fn)["fc2"]
     A, Gm = st.kfac_factors()
     torch.testing.assert_close(fac["fc2"].P, A, rtol=1e-6, atol=1e-9)
@@ -349,7 +349,7 @@ def test_bad_rank_and_non_pd_factors():
 @pytest.mark.parametrize("kw,field", [
     (dict(param_ratio=0.0), "param_ratio"), (dict(param_ratio=1.2), "param_ratio"),
     (dict(power_iters=0), "power_iters"), (dict(damping=-1.0), "damping"), (dict(damping=float("nan")), "damping"),
-    (dict(rank_multiple=0), "rank_multiple"), (dict(factors="diag"), "factors"), (dict(storage="disk"), "storage"),
+    (dict(rank_multiple=0), "rank_multiple"), (dict(approximation="diag"), "approximation"), (dict(storage="disk"), "storage"),
     (dict(layers_per_pass=0), "layers_per_pass"), (dict(targets=()), "targets"),
 ])
 def test_config_validation(kw, field):
@@ -368,3 +368,103 @@ def test_save_and_load_factors_round_trip(tmp_path):
         assert torch.equal(back[k].P, fac[k].P) and torch.equal(back[k].Q, fac[k].Q)
         assert torch.equal(back[k].row_fisher, fac[k].row_fisher)
         assert back[k].samples == fac[k].samples and back[k].iters == fac[k].iters
+
+
+# ---------------------------------------------------------------- through the shared pipeline
+
+
+def _bert(seed: int = 0, layers: int = 2):
+    from transformers import BertConfig, BertModel
+
+    torch.manual_seed(seed)
+    cfg = BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=layers, num_attention_heads=2,
+                     intermediate_size=32, max_position_embeddings=32)
+    return BertModel(cfg).eval()
+
+
+def _text_batches(n=3, seed=0):
+    g = gen(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, 64, (4, 8), generator=g)
+        am = torch.ones(4, 8, dtype=torch.long)
+        am[2, 6:] = 0
+        out.append({"input_ids": ids, "attention_mask": am, "target": torch.randn(4, 16, generator=g)})
+    return out
+
+
+def _bert_forward(model, b):
+    return model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).last_hidden_state
+
+
+def _bert_loss(h, b):  # per-sequence regression of the mean-pooled state (a sum over sequences)
+    m = b["attention_mask"].unsqueeze(-1).to(h.dtype)
+    pooled = (h * m).sum(1) / m.sum(1)
+    return ((pooled - b["target"]) ** 2).sum()
+
+
+def test_pipeline_gfwsvd_matches_direct_factors_and_reports():
+    from rankwise.compress.pipeline import CompressConfig, compress
+    from rankwise.core.layers import LowRankLinear
+
+    bs = _text_batches()
+    cfg = gf.GFWSVDConfig(param_ratio=0.5, power_iters=5)
+    a = _bert()
+    rep = compress(a, cfg, bs, forward=_bert_forward, loss_fn=_bert_loss)
+    assert rep.method == "gfwsvd" and len(rep.layers) == 12
+    assert all(isinstance(l.info["predicted_loss_increase"], float) and l.rel_error is not None for l in rep.layers)
+    # the same through collect_kronecker_fisher + gfwsvd_compress(model, factors, cfg)
+    b = _bert()
+    fac = gf.collect_kronecker_fisher(b, bs, _bert_loss, cfg, forward=_bert_forward,
+                                      target=lambda n, m: isinstance(m, nn.Linear) and ".layer." in n)
+    rep2 = gf.gfwsvd_compress(b, fac, cfg)
+    assert rep2.ranks == rep.ranks
+    for (na, ma), (nb, mb) in zip(a.named_modules(), b.named_modules()):
+        assert na == nb
+        if isinstance(ma, LowRankLinear):
+            torch.testing.assert_close(ma.to_dense(), mb.to_dense(), rtol=1e-5, atol=1e-7)
+    # and through the registry entry with calibration data, at an explicit per-layer rank map
+    c = _bert()
+    ranks = {n: 3 for n in rep.ranks}
+    rep3 = gf.gfwsvd_compress(c, bs, cfg, loss_fn=_bert_loss, forward=_bert_forward, ranks=ranks)
+    assert set(rep3.ranks.values()) == {3}
+
+
+def test_gfwsvd_reuses_factors_across_ratios_and_rank_multiple():
+    bs = _text_batches(seed=1)
+    m0 = _bert()
+    fac = gf.collect_kronecker_fisher(m0, bs, _bert_loss, gf.GFWSVDConfig(), forward=_bert_forward,
+                                      target="re:.*intermediate\\.dense")
+    for ratio in (0.3, 0.6):
+        m = _bert()
+        rep = gf.gfwsvd_compress(m, fac, gf.GFWSVDConfig(param_ratio=ratio))
+        assert all(r == gf.gfwsvd_rank(32, 16, ratio) for r in rep.ranks.values())
+    rep = gf.gfwsvd_compress(_bert(), fac, gf.GFWSVDConfig(param_ratio=0.9, rank_multiple=4))
+    assert all(r % 4 == 0 for r in rep.ranks.values())
+
+
+def test_gfwsvd_pipeline_bad_inputs_leave_model_unchanged():
+    from rankwise.compress.pipeline import CompressConfig, compress
+
+    model = _bert(layers=1)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match="loss"):
+        compress(model, CompressConfig(method="gfwsvd", ratio=0.5), _text_batches(), forward=_bert_forward)
+    with pytest.raises(CalibrationError, match="task loss"):
+        compress(model, CompressConfig(method="gfwsvd", ratio=0.5), _text_batches(), forward=_bert_forward,
+                 loss_fn=lambda h, b: (h * 0).sum())
+    with pytest.raises(TypeError, match="unknown GFWSVD option"):
+        compress(model, CompressConfig(method="gfwsvd", ratio=0.5, options={"beta": 1}), _text_batches())
+    with pytest.raises(ValueError, match="empty"):
+        gf.gfwsvd_compress(model, {}, gf.GFWSVDConfig())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(type(m).__name__ != "LowRankLinear" for m in model.modules())
+
+
+def test_registry_entry():
+    from rankwise.core.registry import get
+
+    e = get("gfwsvd")
+    assert e.config is gf.GFWSVDConfig and e.entry is gf.gfwsvd_compress
+    d = gf.GFWSVDConfig()
+    assert (d.power_iters, d.tol, d.damping, d.rank_multiple, d.approximation) == (10, 1e-6, 1e-4, 1, "mff")

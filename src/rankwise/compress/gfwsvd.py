@@ -578,7 +578,7 @@ class GFWSVDConfig:
             Cholesky, at most ``damping_retries`` (5) times.
         rank_multiple: ranks rounded down to a multiple of it (1 = no rounding; 8 = the official
             pipeline's hardware-friendly rounding), at least 1.
-        factors: ``"mff"`` (nearest Kronecker product, the method) or ``"kfac"`` (the K-FAC ablation
+        approximation: ``"mff"`` (nearest Kronecker product, the method) or ``"kfac"`` (the K-FAC ablation
             ``P = E[x x^T]``, ``Q = E[delta delta^T]``).
         storage: ``"tokens"`` keeps each sample's ``(X_s, D_s)`` (one backward pass; memory
             ``O(tokens (m + n))`` per layer) or ``"recompute"`` re-runs the data for every half-step
@@ -594,7 +594,7 @@ class GFWSVDConfig:
     damping: float = 1e-4
     damping_retries: int = 5
     rank_multiple: int = 1
-    factors: FactorKind = "mff"
+    approximation: FactorKind = "mff"
     storage: Storage = "tokens"
     layers_per_pass: int | None = None
     targets: tuple[str, ...] | None = None
@@ -608,8 +608,8 @@ class GFWSVDConfig:
                 raise ValueError(f"{nm}={v!r} must be a finite number >= 0")
         if isinstance(self.damping_retries, bool) or not isinstance(self.damping_retries, int) or self.damping_retries < 0:
             raise ValueError(f"damping_retries={self.damping_retries!r} must be an int >= 0")
-        if self.factors not in ("mff", "kfac"):
-            raise ValueError(f"factors={self.factors!r} must be 'mff' or 'kfac'")
+        if self.approximation not in ("mff", "kfac"):
+            raise ValueError(f"approximation={self.approximation!r} must be 'mff' or 'kfac'")
         if self.storage not in ("tokens", "recompute"):
             raise ValueError(f"storage={self.storage!r} must be 'tokens' or 'recompute'")
         lpp = self.layers_per_pass
@@ -626,6 +626,18 @@ class GFWSVDConfig:
     def rank(self, m: int, n: int) -> int:
         """The uniform rank of an ``m x n`` layer under this config."""
         return gfwsvd_rank(m, n, self.param_ratio, self.rank_multiple)
+
+    def method_options(self) -> dict[str, Any]:
+        """The fields that configure :class:`GFWSVDMethod` (everything but the targets)."""
+        return {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "targets"}
+
+    def to_compress_config(self) -> Any:
+        """The equivalent :class:`~rankwise.compress.pipeline.CompressConfig` (the method's own rank rule)."""
+        from rankwise.compress.pipeline import CompressConfig
+
+        return CompressConfig(method="gfwsvd", ratio=self.param_ratio,
+                              allocation="method" if self.rank_multiple > 1 else "uniform",
+                              options=self.method_options())
 
 
 # ----------------------------------------------------------------------------------------------
@@ -652,7 +664,7 @@ def collect_kronecker_fisher(
         loss_fn: ``loss_fn(output, batch) -> scalar``, the task loss whose per-sample gradients define
             the Fisher (default: ``output.loss``). Its scale does not matter (``P kron Q`` scales, the
             compression does not).
-        config: :class:`GFWSVDConfig` (``power_iters``, ``tol``, ``factors``, ``storage``, ...).
+        config: :class:`GFWSVDConfig` (``power_iters``, ``tol``, ``approximation``, ``storage``, ...).
         target: selector of the layers; default ``config.targets`` or every ``nn.Linear``.
         mask: token mask of each batch (``"auto"`` = its ``attention_mask``).
         row_fisher: also compute FWSVD's row Fisher from the same per-sample gradients.
@@ -717,7 +729,7 @@ def _check_reached(samples: Mapping[str, SampleFactors]) -> None:
 
 def _factors_from_samples(samples: Mapping[str, SampleFactors], cfg: GFWSVDConfig, row_fisher: bool
                           ) -> dict[str, KroneckerFactors]:
-    if cfg.factors == "kfac":
+    if cfg.approximation == "kfac":
         res = {k: kfac_from_samples(s) for k, s in samples.items()}
     else:
         res = _mff(_StoredOperator(samples), {k: (s.m, s.n) for k, s in samples.items()},
@@ -741,7 +753,7 @@ def _recompute(col: PerSampleGradientCollector, batches: Sequence[Any], run_kw: 
         counts[k] += sf.samples
         if row_fisher:
             rows[k] += sf.row_fisher()
-        if cfg.factors == "kfac":
+        if cfg.approximation == "kfac":
             A, G, c = sf.kfac()
             kfac[k][0] += A
             kfac[k][1] += G
@@ -753,7 +765,7 @@ def _recompute(col: PerSampleGradientCollector, batches: Sequence[Any], run_kw: 
     silent = [k for k, c in counts.items() if c == 0]
     if silent:
         raise CalibrationError(f"no gradient reached {len(silent)} target layer(s): {silent[:10]}")
-    if cfg.factors == "kfac":
+    if cfg.approximation == "kfac":
         res = {k: KroneckerFactors(P=kfac[k][0] / kfac[k][2], Q=kfac[k][1] / kfac[k][2], samples=counts[k], kind="kfac")
                for k in dims}
     else:
@@ -806,3 +818,167 @@ def load_factors(path: Any) -> dict[str, KroneckerFactors]:
                                   converged=bool(info.get("converged", False)), kind=str(info.get("kind", "mff")),
                                   row_fisher=tensors.get(f"{k}::row_fisher"))
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# the per-layer method and the in-place entry point
+
+
+@register_layer_method
+class GFWSVDMethod(LayerMethod):
+    """GFWSVD as a per-layer method of the shared pipeline (``compress(..., method="gfwsvd")``).
+
+    The Kronecker factors are whole-model statistics (one backward of a task loss through every
+    target), so they are collected once by :meth:`prepare` (or given as ``factors=``) before the
+    layers are fitted; ``feed = "original"`` (gradients of the unmodified model).
+    """
+
+    name = "gfwsvd"
+    needs = ()
+    feed = "original"
+    paired = False
+    needs_grad = True
+
+    def __init__(self, config: GFWSVDConfig | None = None, factors: Mapping[str, KroneckerFactors] | None = None,
+                 **overrides: Any):
+        if config is not None and not isinstance(config, GFWSVDConfig):
+            raise TypeError(f"config must be a GFWSVDConfig, got {type(config).__name__}")
+        cfg = config or GFWSVDConfig()
+        if overrides:
+            from dataclasses import replace
+
+            unknown = sorted(set(overrides) - set(GFWSVDConfig.__dataclass_fields__))
+            if unknown:
+                raise TypeError(f"unknown GFWSVD option(s) {unknown}; valid: {sorted(GFWSVDConfig.__dataclass_fields__)}")
+            cfg = replace(cfg, **overrides)
+        self.config = cfg
+        self.factors: dict[str, KroneckerFactors] = dict(factors or {})
+        self._info: dict[str, Any] = {}
+
+    def rank_for(self, m: int, n: int) -> int:
+        return self.config.rank(m, n)
+
+    def prepare(self, model: nn.Module, calib: Iterable[Any], *, target: Selector = None,
+                loss_fn: Callable[[Any, Any], Tensor] | None = None,
+                forward: Callable[[nn.Module, Any], Any] | None = None, mask: Any = "auto") -> None:
+        """Collect the factors of the targets (skipping layers whose factors were given)."""
+        if isinstance(target, (list, tuple)) and all(isinstance(t, str) for t in target):
+            wanted = {t for t in target if t not in self.factors}
+            if not wanted:
+                return
+            target = lambda n, m, _w=frozenset(wanted): n in _w  # noqa: E731  (exact names, no pattern matching)
+        fac = collect_kronecker_fisher(model, calib, loss_fn, self.config, target=target, forward=forward, mask=mask)
+        for k, v in fac.items():
+            self.factors.setdefault(k, v)
+
+    def fit(self, name: str, layer: nn.Linear, rank: int, stats: LayerStats | None = None,
+            paired: PairedStats | None = None) -> LowRankFactors:
+        if name not in self.factors:
+            raise CalibrationError(f"GFWSVD has no Kronecker factors for layer {name!r}: collect them with "
+                                   "collect_kronecker_fisher(...) / GFWSVDMethod.prepare(...) on a task loss first")
+        if not isinstance(layer, nn.Linear):
+            raise TypeError(f"layer {name!r} is a {type(layer).__name__}, GFWSVD compresses nn.Linear layers")
+        kf = self.factors[name]
+        t0 = time.perf_counter()
+        f = gfwsvd_factors(layer.weight, kf.P, kf.Q, rank, damping=self.config.damping,
+                           retries=self.config.damping_retries, name=name)
+        dW = layer.weight.detach().to(torch.float64) - f.product()
+        self._info = {"predicted_loss_increase": predicted_loss_increase(dW, kf.P, kf.Q, damping=self.config.damping),
+                      "mff_iters": kf.iters, "mff_converged": kf.converged, "samples": kf.samples,
+                      "factor_kind": kf.kind, "seconds": time.perf_counter() - t0}
+        return f
+
+    def info(self) -> dict[str, Any]:
+        return dict(self._info)
+
+
+def _is_factor_map(x: Any) -> bool:
+    return isinstance(x, Mapping) and bool(x) and all(isinstance(v, KroneckerFactors) for v in x.values())
+
+
+def gfwsvd_compress(
+    model: nn.Module,
+    factors_or_calib: Mapping[str, KroneckerFactors] | Iterable[Any],
+    config: GFWSVDConfig | None = None,
+    *,
+    loss_fn: Callable[[Any, Any], Tensor] | None = None,
+    target: Selector = None,
+    forward: Callable[[nn.Module, Any], Any] | None = None,
+    mask: Any = "auto",
+    ranks: Mapping[str, int] | None = None,
+    progress: bool = False,
+) -> Any:
+    """Compress ``model`` in place with GFWSVD; returns a :class:`~rankwise.compress.base.CompressionReport`.
+
+    Two ways to call it:
+
+    * ``gfwsvd_compress(model, factors, config)`` with ``factors`` from :func:`collect_kronecker_fisher`
+      (or :func:`load_factors`): every layer named in ``factors`` is replaced by its GFWSVD
+      ``LowRankLinear`` (all or nothing); the same factors serve any ratio. ``ranks`` overrides the
+      uniform rank per layer (e.g. an ASVD-style sensitivity allocation).
+    * ``gfwsvd_compress(model, calib, config, loss_fn=...)``: the shared pipeline
+      (:func:`rankwise.compress.pipeline.compress`) collects the factors (one backward pass of the
+      task loss, :meth:`GFWSVDMethod.prepare`) and the input covariances used to report each layer's
+      relative output error, then compresses ``target`` (default ``config.targets``, or every linear
+      inside the transformer blocks).
+
+    Per-layer ``info`` holds the predicted loss increase ``1/2 ||L_Q^T dW L_P||^2`` and MFF's iterations.
+    """
+    cfg = config or GFWSVDConfig()
+    if not isinstance(cfg, GFWSVDConfig):
+        raise TypeError(f"config must be a GFWSVDConfig, got {type(cfg).__name__}")
+    if isinstance(factors_or_calib, Mapping) and not factors_or_calib:
+        raise ValueError("factors is empty: collect them with collect_kronecker_fisher(...) first")
+    if not _is_factor_map(factors_or_calib):
+        from dataclasses import replace as _replace
+
+        from rankwise.compress.pipeline import CompressConfig, compress
+
+        cc = cfg.to_compress_config()
+        if ranks is not None:
+            cc = _replace(cc, allocation=dict(ranks))
+        return compress(model, cc, factors_or_calib, target=target if target is not None else cfg.targets,
+                        mode="whole", forward=forward, loss_fn=loss_fn, mask=mask, progress=progress)
+    factors = factors_or_calib
+    from dataclasses import asdict
+
+
+    from rankwise.compress.base import CompressionReport, LayerReport
+    from rankwise.core.layers import LowRankLinear
+    from rankwise.core.surgery import count_parameters, get_submodule, replace_module, transaction
+
+    method = GFWSVDMethod(cfg, factors=factors)
+    report = CompressionReport(method="gfwsvd", config=asdict(cfg), params_before=count_parameters(model))
+    mods = {}
+    for name in factors:
+        try:
+            mod = get_submodule(model, name)
+        except AttributeError:
+            raise ValueError(f"factors name a layer {name!r} that the model does not have") from None
+        if not isinstance(mod, nn.Linear):
+            raise TypeError(f"{name!r} is a {type(mod).__name__}, not an nn.Linear")
+        mods[name] = mod
+    if ranks is not None:
+        unknown = sorted(set(ranks) - set(mods))
+        if unknown:
+            raise ValueError(f"ranks given for layers without factors: {unknown[:5]}")
+    t_all = time.perf_counter()
+    new: dict[str, nn.Module] = {}
+    for name, mod in mods.items():  # fit everything first: a failure leaves the model untouched
+        m, n = mod.weight.shape
+        r = ranks[name] if ranks is not None and name in ranks else cfg.rank(m, n)
+        t0 = time.perf_counter()
+        f = method.fit(name, mod, r)
+        new[name] = LowRankLinear.from_linear(mod, factors=f)
+        report.layers.append(LayerReport(name=name, shape=(m, n), rank=r, params_before=mod.weight.numel() + (
+            0 if mod.bias is None else mod.bias.numel()), params_after=sum(p.numel() for p in new[name].parameters()),
+            seconds=time.perf_counter() - t0, info=method.info()))
+    with transaction(model):
+        for name, layer in new.items():
+            replace_module(model, name, layer)
+    report.seconds_decomposition = time.perf_counter() - t_all
+    report.params_after = count_parameters(model)
+    return report
+
+
+register("gfwsvd", config=GFWSVDConfig, entry=gfwsvd_compress)
