@@ -9,11 +9,11 @@ Every object is visited once (the first module in list order that exposes it win
 Docstrings are cleaned with :func:`inspect.cleandoc`; empty ones are skipped.
 
 The modules are grouped into eight topics (:data:`GROUPS`). Each topic contributes one module to
-``"calib"``, one to ``"eval"`` and the rest (six to eight) to ``"train"`` (:data:`SPLIT_OF`), so calibration and
-evaluation text never share a module with each other or with training text, and every split covers
-every topic.
+``"calib"``, one to ``"eval"`` and the rest (six to eight) to ``"train"`` (:data:`SPLIT_OF`), so
+calibration and evaluation text never share a module with each other or with training text, and
+every split covers every topic.
 
-The content depends on the CPython version (and, for a few modules such as ``os`` and ``time``, on
+The content depends on the CPython version (and, for a few modules such as ``os`` and ``socket``, on
 the platform); :attr:`Corpus.info` records both together with a SHA-256 of the content, so a result
 can state exactly which corpus it used. Licence: the docstrings are part of CPython and distributed
 under the Python Software Foundation License (PSF-2.0).
@@ -224,7 +224,8 @@ def _extract_clean() -> tuple[list[tuple[str, str, str, str]], str]:
             proc = subprocess.run(
                 [sys.executable, "-I", "-S", os.path.abspath(__file__)],
                 capture_output=True, check=True, timeout=120,
-                env={"PYTHONIOENCODING": "utf-8", "LC_ALL": "C.UTF-8", "PATH": os.environ.get("PATH", "")},
+                env={"PYTHONIOENCODING": "utf-8", "LC_ALL": "C.UTF-8",
+                     **{k: os.environ[k] for k in ("PATH", "SYSTEMROOT") if k in os.environ}},
             )
             rows = json.loads(proc.stdout.decode("utf-8"))
             return [tuple(r) for r in rows], "isolated-interpreter"  # type: ignore[misc]
