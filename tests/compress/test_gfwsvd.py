@@ -276,7 +276,9 @@ def test_recompute_storage_and_layer_groups_equal_token_storage():
     a = gf.collect_kronecker_fisher(model, bs, loss_fn, gf.GFWSVDConfig(**base), forward=fwd)
     b = gf.collect_kronecker_fisher(model, bs, loss_fn, gf.GFWSVDConfig(storage="recompute", **base), forward=fwd)
     c = gf.collect_kronecker_fisher(model, bs, loss_fn, gf.GFWSVDConfig(layers_per_pass=1, **base), forward=fwd)
+    d = gf.collect_kronecker_fisher(model, bs, loss_fn, gf.GFWSVDConfig(compute_dtype=torch.float32, **base), forward=fwd)
     for k in ("fc1", "fc2"):
+        assert rel(d[k].kron(), a[k].kron()) < 1e-4
         for other in (b, c):
             torch.testing.assert_close(a[k].P, other[k].P, rtol=1e-10, atol=1e-12)
             torch.testing.assert_close(a[k].Q, other[k].Q, rtol=1e-10, atol=1e-12)

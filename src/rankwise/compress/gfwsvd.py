@@ -107,16 +107,21 @@ class KroneckerFactors:
 class SampleFactors:
     """The per-sample gradient factors of one layer: ``G_s = D_s^T X_s`` for ``s = 1..S``.
 
-    Samples are stored padded to a common token count, ``X`` (``S x T x n``) and ``D``
-    (``S x T x m``), in chunks appended batch by batch (zero rows for padding contribute nothing).
-    Contractions run in float64 over chunks of samples, so the float64 working memory is bounded by
-    ``chunk``.
+    Only the tokens whose output gradient is non-zero are kept (a token with ``delta_t = 0``, e.g.
+    padding, adds nothing to ``G_s``, so dropping it is exact), ragged: chunks of concatenated rows
+    ``X`` (``N_c x n``), ``D`` (``N_c x m``) with per-sample token counts. Memory
+    ``O(tokens (m + n))`` in the dtype the rows arrive in (the model's).
+
+    The MFF half-steps cost ``O(N (m^2 + n^2) + sum_s T_s^2 (m + n))`` for ``N`` kept tokens: the large
+    products run on the concatenated rows, the per-sample ``T_s x T_s`` blocks on padded buckets.
+    They are computed in ``compute_dtype`` (float64 by default) and summed over chunks in float64.
     """
 
-    def __init__(self, n: int, m: int, *, name: str | None = None):
+    def __init__(self, n: int, m: int, *, name: str | None = None, compute_dtype: torch.dtype = torch.float64):
         self.n, self.m, self.name = n, m, name
-        self._X: list[Tensor] = []
-        self._D: list[Tensor] = []
+        self.compute_dtype = compute_dtype
+        self._chunks_: list[tuple[Tensor, Tensor, Tensor]] = []  # (X rows, D rows, lengths)
+        self._samples = 0
 
     @classmethod
     def from_gradients(cls, grads: Tensor) -> "SampleFactors":
@@ -131,14 +136,16 @@ class SampleFactors:
 
     @property
     def samples(self) -> int:
-        return sum(x.shape[0] for x in self._X)
+        """Number of samples ``S`` (including samples whose gradient was entirely zero)."""
+        return self._samples
 
     @property
     def tokens(self) -> int:
-        return sum(x.shape[0] * x.shape[1] for x in self._X)
+        """Number of kept tokens ``N``."""
+        return sum(x.shape[0] for x, _, _ in self._chunks_)
 
     def numel(self) -> int:
-        return sum(x.numel() for x in self._X) + sum(d.numel() for d in self._D)
+        return sum(x.numel() + d.numel() for x, d, _ in self._chunks_)
 
     def add(self, X: Tensor, D: Tensor) -> None:
         """Append ``B`` samples: ``X`` (``B, T, n``) inputs and ``D`` (``B, T, m``) output gradients."""
@@ -149,51 +156,75 @@ class SampleFactors:
         for t, what in ((X, "inputs"), (D, "output gradients")):
             if not bool(torch.isfinite(t).all()):
                 raise NumericalError(f"non-finite values (NaN/Inf) in the {what}{_where(self.name)}")
-        self._X.append(X.detach())
-        self._D.append(D.detach())
+        B, T = X.shape[:2]
+        self._samples += B
+        keep = (D != 0).any(-1)  # (B, T)
+        lengths = keep.sum(1)
+        if int(lengths.sum()) == 0:
+            return
+        self._chunks_.append((X.detach()[keep], D.detach()[keep], lengths[lengths > 0].cpu()))
 
-    def _chunks(self, chunk: int) -> Iterator[tuple[Tensor, Tensor]]:
-        for X, D in zip(self._X, self._D):
-            for i in range(0, X.shape[0], chunk):
-                yield X[i:i + chunk].to(torch.float64), D[i:i + chunk].to(torch.float64)
+    def _iter(self) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
+        for X, D, lengths in self._chunks_:
+            yield X.to(self.compute_dtype), D.to(self.compute_dtype), lengths
 
-    def p_step(self, Q: Tensor, chunk: int = 64) -> Tensor:
-        """``sum_s G_s^T Q G_s = sum_s X_s^T (D_s Q D_s^T) X_s`` (``n x n``, not divided by ``S``)."""
+    @staticmethod
+    def _blocks(lengths: Tensor) -> tuple[Tensor, Tensor, int]:
+        """Sample index and position of every row, and the longest sample (for padded per-sample blocks)."""
+        S = lengths.numel()
+        sample = torch.repeat_interleave(torch.arange(S), lengths)
+        starts = torch.cumsum(lengths, 0) - lengths
+        pos = torch.arange(int(lengths.sum())) - starts[sample]
+        return sample, pos, int(lengths.max())
+
+    def _per_sample(self, A: Tensor, Bm: Tensor, C: Tensor, lengths: Tensor) -> Tensor:
+        """Rows of ``blockdiag_s(A_s B_s^T) C`` for row blocks ``A_s``, ``B_s``, ``C_s`` of the samples."""
+        sample, pos, Tm = self._blocks(lengths)
+        sample, pos = sample.to(A.device), pos.to(A.device)
+        S = lengths.numel()
+
+        def pad(M: Tensor) -> Tensor:
+            out = M.new_zeros(S, Tm, M.shape[1])
+            out[sample, pos] = M
+            return out
+
+        K = pad(A) @ pad(Bm).mT  # (S, T, T)
+        return (K @ pad(C))[sample, pos]
+
+    def p_step(self, Q: Tensor) -> Tensor:
+        """``sum_s G_s^T Q G_s = sum_s X_s^T (D_s Q D_s^T) X_s`` (``n x n``, float64, not divided by ``S``)."""
         out = torch.zeros(self.n, self.n, dtype=torch.float64, device=Q.device)
-        for X, D in self._chunks(chunk):
-            M = (D @ Q) @ D.mT  # (B, T, T)
-            out += (X.mT @ (M @ X)).sum(0)
+        for X, D, lengths in self._iter():
+            Y = self._per_sample(D @ Q.to(D), D, X, lengths)  # rows of (D_s Q D_s^T) X_s
+            out += (X.mT @ Y).to(torch.float64)
         return out
 
-    def q_step(self, P: Tensor, chunk: int = 64) -> Tensor:
-        """``sum_s G_s P G_s^T = sum_s D_s^T (X_s P X_s^T) D_s`` (``m x m``, not divided by ``S``)."""
+    def q_step(self, P: Tensor) -> Tensor:
+        """``sum_s G_s P G_s^T = sum_s D_s^T (X_s P X_s^T) D_s`` (``m x m``, float64, not divided by ``S``)."""
         out = torch.zeros(self.m, self.m, dtype=torch.float64, device=P.device)
-        for X, D in self._chunks(chunk):
-            M = (X @ P) @ X.mT
-            out += (D.mT @ (M @ D)).sum(0)
+        for X, D, lengths in self._iter():
+            Z = self._per_sample(X @ P.to(X), X, D, lengths)  # rows of (X_s P X_s^T) D_s
+            out += (D.mT @ Z).to(torch.float64)
         return out
 
-    def row_fisher(self, chunk: int = 64) -> Tensor:
-        """``sum_s sum_j G_s[i, j]^2`` (``m``): the diagonal of ``sum_s G_s G_s^T``."""
+    def row_fisher(self) -> Tensor:
+        """``sum_s sum_j G_s[i, j]^2`` (``m``): the diagonal of ``sum_s G_s G_s^T`` (= ``q_step(I)``'s diagonal)."""
         out = torch.zeros(self.m, dtype=torch.float64)
-        for X, D in self._chunks(chunk):
-            G = D.mT @ X  # (B, m, n)
-            out += G.square().sum((0, 2)).to(out.device)
+        for X, D, lengths in self._iter():
+            Z = self._per_sample(X, X, D, lengths)  # rows of (X_s X_s^T) D_s
+            out += (D * Z).sum(0).to(torch.float64).cpu()
         return out
 
     def kfac(self) -> tuple[Tensor, Tensor, int]:
-        """K-FAC sums ``sum_t x_t x_t^T`` (``n x n``), ``sum_t delta_t delta_t^T`` (``m x m``) over
-        non-padding tokens, and their count (a token is padding when its ``x`` and ``delta`` are both 0)."""
+        """K-FAC sums ``sum_t x_t x_t^T`` (``n x n``), ``sum_t delta_t delta_t^T`` (``m x m``) over the kept
+        tokens (those with a non-zero output gradient), and their count."""
         A = torch.zeros(self.n, self.n, dtype=torch.float64)
         G = torch.zeros(self.m, self.m, dtype=torch.float64)
         count = 0
-        for X, D in self._chunks(64):
-            Xr, Dr = X.reshape(-1, self.n), D.reshape(-1, self.m)
-            keep = (Xr != 0).any(1) | (Dr != 0).any(1)
-            Xr, Dr = Xr[keep], Dr[keep]
-            A += (Xr.mT @ Xr).to(A.device)
-            G += (Dr.mT @ Dr).to(G.device)
-            count += int(keep.sum())
+        for X, D, _ in self._iter():
+            A += (X.mT @ X).to(torch.float64).cpu()
+            G += (D.mT @ D).to(torch.float64).cpu()
+            count += X.shape[0]
         return A, G, count
 
 
@@ -535,8 +566,10 @@ def _loss(out: Any, batch: Any, loss_fn: Callable | None) -> Tensor:
 class _RecomputeOperator(_Operator):
     """MFF half-steps computed by re-running the calibration data (memory ``O(m^2 + n^2)`` per layer)."""
 
-    def __init__(self, col: PerSampleGradientCollector, batches: Sequence[Any], run_kw: dict[str, Any]):
+    def __init__(self, col: PerSampleGradientCollector, batches: Sequence[Any], run_kw: dict[str, Any],
+                 compute_dtype: torch.dtype = torch.float64):
         self.col, self.batches, self.run_kw = col, batches, run_kw
+        self.compute_dtype = compute_dtype
 
     def _pass(self, mats: Mapping[str, Tensor], which: str) -> dict[str, Tensor]:
         acc: dict[str, Tensor] = {}
@@ -544,7 +577,7 @@ class _RecomputeOperator(_Operator):
         def sink(k: str, X: Tensor, Dg: Tensor) -> None:
             if k not in mats:
                 return
-            sf = SampleFactors(X.shape[-1], Dg.shape[-1], name=k)
+            sf = SampleFactors(X.shape[-1], Dg.shape[-1], name=k, compute_dtype=self.compute_dtype)
             sf.add(X, Dg)
             v = sf.p_step(mats[k]) if which == "p" else sf.q_step(mats[k])
             acc[k] = v if k not in acc else acc[k] + v
@@ -586,6 +619,8 @@ class GFWSVDConfig:
         layers_per_pass: with ``"tokens"``, collect at most this many layers per backward pass (``None``
             = all at once) to bound memory.
         targets: module-name patterns to compress (``None`` = every ``nn.Linear`` the selector allows).
+        compute_dtype: dtype of the MFF contractions (float64; float32 halves their time on CPU); the
+            sums over chunks of samples and the factors are float64 either way.
     """
 
     param_ratio: float = 0.8
@@ -598,8 +633,11 @@ class GFWSVDConfig:
     storage: Storage = "tokens"
     layers_per_pass: int | None = None
     targets: tuple[str, ...] | None = None
+    compute_dtype: torch.dtype = torch.float64
 
     def __post_init__(self) -> None:
+        if not (isinstance(self.compute_dtype, torch.dtype) and self.compute_dtype.is_floating_point):
+            raise ValueError(f"compute_dtype={self.compute_dtype!r} must be a floating torch.dtype")
         gfwsvd_rank(2, 2, self.param_ratio, self.rank_multiple)  # validates both
         _check_iters(self.power_iters, self.tol)
         for nm in ("damping",):
@@ -697,7 +735,8 @@ def collect_kronecker_fisher(
                 step = cfg.layers_per_pass or len(names)
                 for i in range(0, len(names), step):
                     group = names[i:i + step]
-                    samples = {k: SampleFactors(dims[k][1], dims[k][0], name=k) for k in group}
+                    samples = {k: SampleFactors(dims[k][1], dims[k][0], name=k, compute_dtype=cfg.compute_dtype)
+                               for k in group}
 
                     def sink(k: str, X: Tensor, Dg: Tensor, samples=samples) -> None:
                         if k in samples:
@@ -769,7 +808,7 @@ def _recompute(col: PerSampleGradientCollector, batches: Sequence[Any], run_kw: 
         res = {k: KroneckerFactors(P=kfac[k][0] / kfac[k][2], Q=kfac[k][1] / kfac[k][2], samples=counts[k], kind="kfac")
                for k in dims}
     else:
-        res = _mff(_RecomputeOperator(col, batches, run_kw), dims, counts, cfg.power_iters, cfg.tol)
+        res = _mff(_RecomputeOperator(col, batches, run_kw, cfg.compute_dtype), dims, counts, cfg.power_iters, cfg.tol)
     if row_fisher:
         for k in dims:
             res[k].row_fisher = rows[k] / counts[k]
