@@ -183,3 +183,83 @@ ADAPTERS: list[AdapterCase] = [
     # later adapters append one entry each, e.g.
     # AdapterCase(name="cdka", apply=_cdka_apply, merge=..., unmerge=..., save=..., load=..., bad_rank=...),
 ]
+
+
+# ---------------------------------------------------------------------------------------------
+# CDKA and PSOFT (rankwise.adapt.cdka / rankwise.adapt.psoft)
+# ---------------------------------------------------------------------------------------------
+
+def _calibration(kind: str, seed: int) -> tuple[list[Any], Callable[[nn.Module, Any], torch.Tensor]]:
+    """Two seeded calibration batches and a regression loss on the tiny model's outputs (for CDKA's G)."""
+    g = torch.Generator().manual_seed(10_000 + seed)
+    if kind == "mlp":
+        batches = [torch.randn(8, 16, generator=g) for _ in range(2)]
+    else:
+        batches = [torch.randint(0, 100, (2, 8), generator=g) for _ in range(2)]
+
+    def loss_fn(model: nn.Module, batch: Any) -> torch.Tensor:
+        out = model(batch)
+        y = out if isinstance(out, torch.Tensor) else out.last_hidden_state
+        target = torch.sin(torch.arange(y.numel(), dtype=y.dtype)).reshape(y.shape)
+        return (y - target).square().mean()
+
+    return batches, loss_fn
+
+
+def _method_api(module: str, fn: str) -> Callable[..., Any]:
+    def call(*args: Any) -> Any:
+        import importlib
+
+        return getattr(importlib.import_module(module), fn)(*args)
+    return call
+
+
+def _cdka_case(name: str, **cfg: Any) -> AdapterCase:
+    def apply(model: nn.Module, kind: str, adapter: str = "default", seed: int = 0) -> nn.Module:
+        from rankwise.adapt.cdka import CDKAConfig, adapt
+
+        target: Any = nn.Linear if kind == "mlp" else ("query", "value")
+        config = CDKAConfig(seed=seed, **cfg)
+        calib, loss_fn = _calibration(kind, seed)
+        return adapt(model, config, target=target, name=adapter, calib=calib, loss_fn=loss_fn)
+
+    def bad_rank(model: nn.Module, kind: str) -> None:
+        from rankwise.adapt.cdka import CDKAConfig, adapt
+
+        target: Any = nn.Linear if kind == "mlp" else ("query", "value")
+        adapt(model, CDKAConfig(config_mode="fixed", r1=1, r2=1, r=10_000, init="zero"), target=target)
+
+    mod = "rankwise.adapt.cdka"
+    return AdapterCase(name=name, apply=apply, merge=_method_api(mod, "merge"), unmerge=_method_api(mod, "unmerge"),
+                       disable=_method_api(mod, "disable_adapters"), enable=_method_api(mod, "enable_adapters"),
+                       set_active=_method_api(mod, "set_active"), save=_method_api(mod, "save_adapter"),
+                       load=_method_api(mod, "load_adapter"), bad_rank=bad_rank)
+
+
+def _psoft_case(name: str, **cfg: Any) -> AdapterCase:
+    def apply(model: nn.Module, kind: str, adapter: str = "default", seed: int = 0) -> nn.Module:
+        from rankwise.adapt.psoft import PSOFTConfig, adapt
+
+        target: Any = nn.Linear if kind == "mlp" else ("query", "value")
+        return adapt(model, PSOFTConfig(r=4, **cfg), target=target, name=adapter)
+
+    def bad_rank(model: nn.Module, kind: str) -> None:
+        from rankwise.adapt.psoft import PSOFTConfig, adapt
+
+        target: Any = nn.Linear if kind == "mlp" else ("query", "value")
+        adapt(model, PSOFTConfig(r=10_000), target=target)
+
+    mod = "rankwise.adapt.psoft"
+    return AdapterCase(name=name, apply=apply, merge=_method_api(mod, "merge"), unmerge=_method_api(mod, "unmerge"),
+                       disable=_method_api(mod, "disable_adapters"), enable=_method_api(mod, "enable_adapters"),
+                       set_active=_method_api(mod, "set_active"), save=_method_api(mod, "save_adapter"),
+                       load=_method_api(mod, "load_adapter"), bad_rank=bad_rank)
+
+
+ADAPTERS.extend([
+    # alpha 4 instead of the paper's 64 keeps the perturbed outputs O(1), where float32 merges are within 1e-5
+    _cdka_case("cdka-aligned-gradient", budget="lora_r2", alpha=4.0),
+    _cdka_case("cdka-fixed-zero", config_mode="fixed", r1=2, r2=2, r=2, init="zero", alpha=4.0),
+    _psoft_case("psoft"),
+    _psoft_case("psoft-exact-input-side", cayley="exact", singular_values_on="input"),
+])
