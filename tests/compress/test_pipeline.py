@@ -482,3 +482,58 @@ def test_forward_time_ratio_reports_both_times():
     compress(model, CompressConfig(method="svd", ratio=0.3), calib=_batches(1))
     r = forward_time_ratio(base, model, _batches(2), repeats=2)
     assert r["original_s"] > 0 and r["compressed_s"] > 0 and r["ratio"] > 0
+
+
+# ----------------------------------------------------------------------------------------------
+# the command behind `rankwise compress`
+
+
+def _tiny_model_dir(path):
+    from transformers import BertTokenizer
+
+    words = ("the a of to and in is it that for with as on be by this are from or not can return value "
+             "file name list string object default function call data none true false number").split()
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + words
+    path.mkdir(parents=True)
+    (path / "vocab.txt").write_text("\n".join(vocab) + "\n")
+    tok = BertTokenizer(str(path / "vocab.txt"))
+    tok.save_pretrained(str(path))
+    model = _bert()
+    model.config.vocab_size = 64
+    model.save_pretrained(str(path))
+    return path
+
+
+def test_compress_command_and_cli_verb(tmp_path):
+    from typer.testing import CliRunner
+
+    from rankwise.cli import app
+    from rankwise.compress.command import compress_command, read_texts
+
+    d = _tiny_model_dir(tmp_path / "tiny")
+    texts = [f"the value of {w} is a list of data and it can return none" for w in
+             ("file", "name", "string", "object", "function", "number", "call", "default")] * 3
+    (tmp_path / "calib.txt").write_text("\n".join(texts) + "\n\n")
+    (tmp_path / "calib.jsonl").write_text("\n".join(json.dumps({"text": t}) for t in texts[:6]) + "\n")
+    assert read_texts(tmp_path / "calib.jsonl") == texts[:6]
+    res = compress_command("svd-llm", 0.5, model_dir=d, calib_file=tmp_path / "calib.txt", n_calib=16, n_eval=8,
+                           out=tmp_path / "out", measure_speed=True)
+    assert len(res.rows()) == 12 and 0.0 < res.fidelity <= 1.0 + 1e-6 and res.speed["ratio"] > 0
+    back = load_compressed(tmp_path / "out")
+    assert sum(isinstance(m, LowRankLinear) for m in back.modules()) == 12
+    res2 = compress_command("fwsvd", 0.5, model_dir=d, calib_file=tmp_path / "calib.txt", n_calib=16, n_eval=8,
+                            measure_speed=False)
+    assert any("contrastive" in n for n in res2.notes)
+
+    runner = CliRunner()
+    r = runner.invoke(app, ["compress", "--method", "swift-svd", "--ratio", "0.5", "--model", str(d), "--calib",
+                            str(tmp_path / "calib.txt"), "--n-calib", "16", "--n-eval", "8", "--mode", "blocks",
+                            "--out", str(tmp_path / "out2")])
+    assert r.exit_code == 0, r.output
+    assert "1.output.dense" in r.output and "encoder.layer." in r.output and "embedding fidelity" in r.output
+    assert (tmp_path / "out2" / "rankwise_compression.json").is_file()
+    r = runner.invoke(app, ["compress", "--method", "tucker", "--model", str(d), "--calib", str(tmp_path / "calib.txt")])
+    assert r.exit_code == 2 and "unknown method" in r.output
+    r = runner.invoke(app, ["compress", "--method", "svd", "--ratio", "1.5", "--model", str(d), "--calib",
+                            str(tmp_path / "calib.txt")])
+    assert r.exit_code == 2 and "ratio" in r.output

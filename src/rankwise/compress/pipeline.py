@@ -708,11 +708,40 @@ def _check_factors(name: str, f: Any, m: int, n: int, rank: int) -> tuple[Tensor
     return B, A
 
 
+def _cached_error(cache: dict[str, Any] | None, name: str, W: Tensor, B: Tensor, A: Tensor, H: Tensor) -> float:
+    """:func:`~rankwise.compress.base.relative_output_error` with ``W H`` memoised per layer (float64).
+
+    ``tr(E H E^T) = tr(W H W^T) - 2 <A B, W H> + tr((A^T A)(B H B^T))`` costs ``O(r n^2)`` once ``W H``
+    (``O(m n^2)``) is known; the memo (kept with a :class:`Calibration`) is reused by every method fitted
+    from the same statistics; it is keyed by the statistics object and a checksum of the weight.
+    """
+    W64 = W.detach().to(torch.float64)
+    H64 = H.detach().to(W64.device, torch.float64)
+    hit = cache.get(name) if cache is not None else None
+    key = (tuple(W64.shape), float(W64.sum()), float(W64.square().sum()), float(W64[..., ::7].abs().sum()))
+    if hit is not None and hit[0] == key and hit[3] is H:
+        WH, den = hit[1], hit[2]
+    else:
+        WH = W64 @ H64
+        den = float((WH * W64).sum())
+        if cache is not None:
+            cache[name] = (key, WH, den, H)
+    A64 = A.detach().to(W64.device, torch.float64)
+    B64 = B.detach().to(W64.device, torch.float64)
+    cross = float(((A64 @ B64) * WH).sum())
+    quad = float(((A64.mT @ A64) * (B64 @ H64 @ B64.mT)).sum())
+    num = max(den - 2.0 * cross + quad, 0.0)
+    if den <= 0.0:
+        return 0.0 if num <= 0.0 else float("inf")
+    return num / den
+
+
 class _Fitter:
     """Fits and swaps layers, filling the report (shared by the whole, block and checkpoint modes)."""
 
     def __init__(self, model: nn.Module, method: LayerMethod, cfg: CompressConfig, ranks: Mapping[str, int],
-                 report: CompressionReport, progress: Any = None):
+                 report: CompressionReport, progress: Any = None, err_cache: dict[str, Any] | None = None):
+        self.err_cache = err_cache
         self.model = model
         self.method = method
         self.cfg = cfg
@@ -734,10 +763,10 @@ class _Fitter:
         secs = time.perf_counter() - t0
         self.seconds += secs
         err = None
-        if stats is not None and stats.xtx is not None and self.cfg.measure_error:
-            err = relative_output_error(layer.weight, (new.down.weight, new.up.weight), stats.xtx)
-        elif paired is not None and self.cfg.measure_error:
-            err = relative_output_error(layer.weight, (new.down.weight, new.up.weight), paired.H)
+        if self.cfg.measure_error:
+            H = stats.xtx if (stats is not None and stats.xtx is not None) else (paired.H if paired is not None else None)
+            if H is not None:
+                err = _cached_error(self.err_cache, name, layer.weight, new.down.weight, new.up.weight, H)
         bias = layer.bias is not None
         replace_module(self.model, name, new)
         self.report.layers.append(LayerReport(
@@ -1297,7 +1326,7 @@ def compress(
             ranks = allocate_ranks(cfg, method, shapes, influence=cal.influence, energy=energy,
                                    block_path=found[0] if found else None, n_blocks=len(found[1]) if found else 0)
             bar = _Bar(progress, f"compressing ({method.name})", len(names))
-            fitter = _Fitter(model, method, cfg, ranks, report, bar)
+            fitter = _Fitter(model, method, cfg, ranks, report, bar, err_cache=cal.cache.setdefault("_errors", {}))
             try:
                 for n in names:
                     fitter.fit(n, cal.stats[n])
