@@ -600,3 +600,34 @@ def test_every_optimizer_of_the_comparison_trains_a_tiny_llama():
         assert not res.diverged and len(res.eval_losses) == 2 and res.state_bytes > 0, name
         sizes[name] = matrix_state_bytes(opt, split_params_for_lowmem(model)["matrix"])
     assert sizes["racs"] == sizes["racs_port"] < sizes["galore"] <= sizes["alice"] < sizes["adamw"]
+
+
+def test_alice_matches_a_direct_transcription_of_the_spec_steps():
+    # Steps 2-4 written out with the explicit residual R = G - U sigma; the basis comes from alice_switch.
+    m, n, r, l, T = 9, 14, 4, 2, 3
+    lr, alpha, alpha_c, gamma, eps = 0.02, 0.3, 0.4, 1.01, 1e-8
+    b1, b2, b3 = 0.9, 0.9, 0.999
+    grads = _grads((m, n), 8, seed=41)
+    w0 = torch.randn(m, n, generator=_gen(42))
+    ours, _ = _run(lambda p: Alice(p, lr=lr, rank=r, leading_basis=l, update_interval=T, alpha=alpha, alpha_c=alpha_c),
+                   w0, grads)
+    w = w0.clone()
+    u = q = None
+    mom, var, pc, phi = torch.zeros(r, n), torch.zeros(r, n), torch.zeros(n), 0.0
+    for t, g in enumerate(grads, start=1):
+        if t == 1 or t % T == 0:
+            u_new = alice_switch(g, u, q, b3, l, r)
+            q = torch.zeros(r, r) if u is None else (u_new.T @ u) @ q @ (u_new.T @ u).T
+            u = u_new
+        sig = u.T @ g
+        q = b3 * q + (1 - b3) * sig @ sig.T
+        mom = b1 * mom + (1 - b1) * sig
+        var = b2 * var + (1 - b2) * sig * sig
+        resid = g - u @ sig
+        pc = (b1 * pc + (1 - b1) * (g.square().sum(0) - sig.square().sum(0))).clamp(min=1e-8)
+        c = math.sqrt(m - r) * resid / pc.sqrt()
+        eta = 1.0 if phi == 0 else min(1.0, gamma * phi / float(c.norm()))
+        c = eta * c
+        phi = float(c.norm())
+        w = w - lr * alpha * (u @ (mom / (var.sqrt() + eps)) + alpha_c * c)
+    assert torch.allclose(ours, w, atol=1e-5)

@@ -172,9 +172,15 @@ def racs_fixed_point(v: torch.Tensor, iters: int = 100, tol: float = 0.0) -> tup
     return s, q
 
 
-def racs_scale(g: torch.Tensor, s: torch.Tensor, q: torch.Tensor, eps: float) -> torch.Tensor:
-    """``G_hat = diag(s+eps)^{-1/2} G diag(q+eps)^{-1/2}`` (spec step 2); g (m, n), s (m,), q (n,)."""
-    return g * torch.rsqrt(s + eps).unsqueeze(1) * torch.rsqrt(q + eps).unsqueeze(0)
+def racs_scale(g: torch.Tensor, s: torch.Tensor, q: torch.Tensor, eps: float,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """``G_hat = diag(s+eps)^{-1/2} G diag(q+eps)^{-1/2}`` (spec step 2); g (m, n), s (m,), q (n,).
+
+    ``out`` (m, n) may be given to reuse a buffer (it may not alias ``g``).
+    """
+    scale = torch.outer(torch.rsqrt(s + eps), torch.rsqrt(q + eps), out=out) if out is not None else \
+        torch.outer(torch.rsqrt(s + eps), torch.rsqrt(q + eps))
+    return scale.mul_(g)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -345,7 +351,9 @@ class LowMemOptimizer(torch.optim.Optimizer):
                     raise RankwiseError(f"{self.method_name}: parameter {pi} of param group {gi} changed shape "
                                         f"from {tuple(state['shape'])} to {shape} between steps; create a new "
                                         "optimizer after resizing parameters")
-                if not bool(torch.isfinite(grad).all()):
+                # one reduction instead of an elementwise isfinite pass: NaN/Inf propagate into the sum
+                # (a finite gradient whose sum overflows float range is treated as non-finite too)
+                if not bool(torch.isfinite(grad.sum())):
                     step = int(state.get("step", 0)) + 1
                     msg = (f"{self.method_name}: non-finite gradient (NaN/Inf) for parameter {pi} of param group "
                            f"{gi}, shape {shape}, at its step {step}")
@@ -495,7 +503,7 @@ class RACS(LowMemOptimizer):
             state["phi"] = torch.zeros((), dtype=dtype, device=p.device)
         s, q, phi = state["s"], state["q"], state["phi"]
         beta = group["beta"]
-        g2 = g * g
+        g2 = g.square()
         if group["normalize"]:
             # One warm-started step of the fixed point s = V q / ||q||^2, q = V^T s / ||s||^2 (eq. for
             # the Frobenius-optimal diag(q) (x) diag(s) fit), with V replaced by the EMA of G (.) G.
@@ -504,12 +512,15 @@ class RACS(LowMemOptimizer):
         else:
             s.lerp_(g2.mean(dim=1), 1 - beta)
             q.lerp_(g2.mean(dim=0), 1 - beta)
-        g_hat = racs_scale(g, s, q, group["eps"])
+        g_hat = racs_scale(g, s, q, group["eps"], out=g2)  # reuses the G (.) G buffer
         norm = torch.linalg.vector_norm(g_hat)
         eta = norm_growth_limit(norm, phi, group["gamma"])
         phi.copy_(eta * norm)
-        step = g_hat.mul_(eta * (-float(group["lr"]) * group["alpha"]))
-        p.add_(step.view_as(p).to(p.dtype))
+        coeff = eta * (-float(group["lr"]) * group["alpha"])
+        if g_hat.dtype == p.dtype:
+            p.addcmul_(g_hat.view_as(p), coeff.to(p.dtype))
+        else:
+            p.add_((g_hat * coeff).view_as(p).to(p.dtype))
 
 
 def _entry(model: nn.Module, config: RACSConfig | None = None, other_lr: float | None = None) -> RACS:
