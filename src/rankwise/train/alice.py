@@ -12,8 +12,8 @@ side is the smaller one), Alice keeps Adam statistics only in a rank-r eigen-sub
    ``QR(I - U1 U1^T)``; ``U = [U1, U2]``;
 2. ``sigma = U^T G`` (r, n); ``Q <- beta3 Q + (1-beta3) sigma sigma^T``; ``M <- beta1 M + (1-beta1) sigma``;
    ``V <- beta2 V + (1-beta2) sigma (.) sigma``;
-3. compensation of the residual ``G - U sigma``: ``p <- beta1 p + (1-beta1) (colsum(G^2) - colsum(sigma^2))``
-   (= colsum((G - U sigma)^2) for orthonormal U), clamped at 1e-8;
+3. compensation of the residual ``G - U sigma``: ``p <- beta1 p + (1-beta1) colsum((G - U sigma)^2)``
+   (= colsum(G^2) - colsum(sigma^2) for orthonormal U), clamped at 1e-8;
    ``C = sqrt(m - r) (G - U sigma) diag(p)^{-1/2}``, limited by the norm-growth limiter (gamma);
 4. ``D = U (M / (sqrt(V) + eps)) + alpha_c C``; ``W <- W - lr alpha D``. No bias correction.
 
@@ -27,10 +27,9 @@ Choices (documented in docs/methods/racs_alice.md):
   ``[U1, e_1 .. e_{r-l}]`` (identical to the first r - l columns of QR(I - U1 U1^T)); when that
   basis is degenerate (some e_j nearly inside span(U1)), standard basis vectors are taken in order
   and skipped while their residual is below 0.5 / sqrt(m), which always completes the basis.
-* The residual ``G - U sigma`` is never materialised: with orthonormal U, its column energies, the
-  norm of ``C`` and the update ``U N + alpha_c C = U (N - c sigma D) + c G D`` follow from ``sigma`` and
-  the column norms of G (same arithmetic as the spec, one (m, n) matrix product less per step, and
-  the update is accumulated into the weight in place with ``addmm_``).
+* ``p`` accumulates ``colsum((G - U sigma)^2)`` computed from the explicit residual (equal to the
+  spec's ``colsum(G^2) - colsum(sigma^2)`` for orthonormal U, without its cancellation when a column
+  is almost fully captured by U); the update is accumulated into the weight in place (``addmm_``).
 * At a switch, ``Q`` is re-expressed in the new basis (``Q <- R Q R^T``, ``R = U_new^T U_old``), so
   ``U Q U^T`` stays the EMA of the tracked covariance; ``M`` and ``V`` are kept (not rotated, not
   reset), as in the reference port.
@@ -310,32 +309,35 @@ class Alice(LowMemOptimizer):
         q.mul_(beta3).add_(sigma @ sigma.T, alpha=1 - beta3)
         mom.lerp_(sigma, 1 - beta1)
         var.mul_(beta2).addcmul_(sigma, sigma, value=1 - beta2)
-        # Compensation without forming the residual R = G - U sigma (U has orthonormal columns):
-        #   colsum(R^2) = colsum(G^2) - colsum(sigma^2)            (spec step 3, clamped at 0)
-        #   ||R D||_F^2 = sum_j colsum(R^2)_j / p_j,   D = diag(p)^{-1/2}
-        #   U N + alpha_c C = U (N - c sigma D) + c G D,   C = eta sqrt(m - r) R D,  c = alpha_c eta sqrt(m - r)
-        resid_sq = (g.square().sum(dim=0) - sigma.square().sum(dim=0)).clamp_(min=0)
-        pc.mul_(beta1).add_(resid_sq, alpha=1 - beta1).clamp_(min=_P_FLOOR)
-        d = torch.rsqrt(pc)
+        # Compensation (spec step 3) from the explicit residual R = G - U sigma: its column energies
+        # colsum(R^2) equal colsum(G^2) - colsum(sigma^2) for orthonormal U, but the direct form does not
+        # lose the small residual of a well-captured column to cancellation.
         k = math.sqrt(m - r) if m > r else 0.0
-        norm = k * (resid_sq * d.square()).sum().sqrt()
-        eta = norm_growth_limit(norm, phi, group["gamma"])
-        phi.copy_(eta * norm)
         scale = -float(group["lr"]) * group["alpha"]
-        gd = d * (eta * (k * group["alpha_c"] * scale))  # (n,): the coefficient of G's columns
         inner = mom / (var.sqrt() + group["eps"]) * scale  # (r, n)
-        if k > 0:
-            inner.sub_(sigma * (d * (eta * k * group["alpha_c"] * scale)).unsqueeze(0))
         pv = p.view(p.shape[0], -1) if p.is_contiguous() and p.dtype == dtype else None
+        if pv is not None and transposed:
+            pv = pv.T
+        if k > 0:
+            resid = g - u @ sigma
+            pc.mul_(beta1).add_(resid.square().sum(dim=0), alpha=1 - beta1).clamp_(min=_P_FLOOR)
+            d = torch.rsqrt(pc)
+            resid.mul_(d.unsqueeze(0))  # R D
+            norm = k * torch.linalg.vector_norm(resid)
+            eta = norm_growth_limit(norm, phi, group["gamma"])
+            phi.copy_(eta * norm)
+            coeff = eta * (k * group["alpha_c"] * scale)  # C = eta k R D enters the update with alpha_c
+        else:  # r = min(m, n): the compensation is exactly zero
+            pc.mul_(beta1).clamp_(min=_P_FLOOR)
+            phi.zero_()
         if pv is not None:
-            pv = pv.T if transposed else pv
-            pv.addmm_(u, inner)  # W <- W - lr alpha (U (N - c sigma D)), written in place
+            pv.addmm_(u, inner)  # W <- W - lr alpha U (M / (sqrt(V) + eps)), in place
             if k > 0:
-                pv.addcmul_(g, gd.unsqueeze(0))  # ... - lr alpha c G D
+                pv.add_(resid.mul_(coeff))  # ... - lr alpha alpha_c C
         else:
             update = u @ inner
             if k > 0:
-                update.addcmul_(g, gd.unsqueeze(0))
+                update.add_(resid.mul_(coeff))
             if transposed:
                 update = update.T
             p.add_(update.reshape(p.shape).to(p.dtype))
