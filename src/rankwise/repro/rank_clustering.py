@@ -150,7 +150,7 @@ def run(mode: str, seeds: Sequence[int], out_dir: Path) -> ReproResult:
                 record(f"{algo} phi={phi:g}", met)
                 extra["phi_sweep"].setdefault(f"{algo}", {}).setdefault(f"{phi:g}", []).append(met["final"])
         record(f"random {k0} centers + knockout phi={phi0:g}", _run_one(X, k0, 2, phi0, seed, "random", opt))
-        if not smoke:
+        if full or (mode == "quick" and seed == seeds[0]):  # quick: the first seed only (time)
             record(f"ALG-G (nearest={OTHER}) phi={phi0:g}", _run_one(X, k0, 2, phi0, seed, "ALG-G", opt, nearest=OTHER))
         if seed == seeds[0]:
             with warnings.catch_warnings():
@@ -327,6 +327,21 @@ def run(mode: str, seeds: Sequence[int], out_dir: Path) -> ReproResult:
         "cost of the same final centers with nearest assignment).")
     if not full:
         notes += " Quick mode: blobs only, the spec's margins x1.2 on every threshold."
+    if not checks[0].holds:
+        notes += (f" Claim (a) missed on blobs: the composed-mapping cost is {mean(g, 'final'):.3g}x Optimal while the "
+                  f"same final centers with nearest-center assignment cost {mean(g, 'final_nearest'):.3g}x; the gap is "
+                  "the price of evaluating through the Coreset+ mapping on overlapping blobs (ALG-G's tester is a "
+                  "factor-2 comparator, so some points map to a sample across a final-cluster boundary).")
+        if "ALG-G phi=0" in runs:
+            notes += (f" Even without noise ALG-G's composed cost is {mean('ALG-G phi=0', 'final'):.3g}x, against "
+                      f"{mean('Generic phi=0', 'final'):.3g}x for Generic, whose exact knockout is optimal at phi=0.")
+    flat = next(c for c in checks if c.statement.startswith("(c) ALG-G cost"))
+    if not flat.holds:
+        notes += (f" Claim (c) 'nearly flat' missed: ALG-G's cost grows {alg_growth:.3g}x from phi={lo_phi:g} to "
+                  f"{hi_phi:g} (Generic: {gen_growth:.3g}x). phi=0.25 is outside the theory (phi < 1/4): there PROBSORT's "
+                  "worst dislocation jumps from ~15 to hundreds of ranks on 2000 items and ALG-TESTER's majority of 7 "
+                  "votes is wrong ~7% of the time (~1% at 0.15), so kernels and nearest samples degrade; the spec's "
+                  "re-implementation constants (7 voters) are small for this noise level.")
     result = ReproResult(
         id=ID, mode=mode, seeds=seeds, claim=CLAIM, table=table, checks=checks, figures=figures, notes=notes,
         config={"n": n0, "k": k0, "p": 2, "phi": phi0, "data": "make_blobs(sigma=1, center_box=(-10,10), dim=2)",
