@@ -631,3 +631,14 @@ def test_alice_matches_a_direct_transcription_of_the_spec_steps():
         phi = float(c.norm())
         w = w - lr * alpha * (u @ (mom / (var.sqrt() + eps)) + alpha_c * c)
     assert torch.allclose(ours, w, atol=1e-5)
+
+
+def test_alice_large_side_initial_basis_is_the_top_subspace(monkeypatch):
+    import rankwise.train.alice as alice_mod
+
+    g = torch.randn(60, 12, generator=_gen(43)) @ torch.diag(torch.linspace(5, 0.5, 12)) @ torch.randn(12, 80, generator=_gen(44))
+    exact = alice_switch(g, None, None, 0.999, 3, 8)
+    monkeypatch.setattr(alice_mod, "EXACT_INIT_MAX", 10)  # force the subspace-iteration path
+    approx = alice_switch(g, None, None, 0.999, 3, 8)
+    assert _orth_err(approx) < 1e-5
+    assert float((approx[:, :3] @ approx[:, :3].T - exact[:, :3] @ exact[:, :3].T).abs().max()) < 1e-4

@@ -20,7 +20,9 @@ side is the smaller one), Alice keeps Adam statistics only in a rank-r eigen-sub
 Choices (documented in docs/methods/racs_alice.md):
 
 * t = 1 uses the exact top eigenvectors of ``G G^T`` (the converged subspace iteration; there is
-  no previous ``U`` to iterate from). Later switches never form the m x m matrix ``Q~``: ``Q~ U`` and
+  no previous ``U`` to iterate from) when the tracked side m <= 1024; for larger m, 4 steps of block
+  subspace iteration on ``G G^T`` (block max(r, l + 10)) from a Gaussian start drawn from a fixed-seed
+  generator, then Rayleigh-Ritz (O(m n r) instead of an m x m eigendecomposition). Later switches never form the m x m matrix ``Q~``: ``Q~ U`` and
   ``U'^T Q~ U'`` are computed from U, Q and G in O(m n r), which is the same arithmetic.
 * Deterministic sign conventions: eigenvectors have their largest-magnitude entry positive, QR
   factors a positive diagonal of R. ``U2`` is computed as the Gram-Schmidt completion of
@@ -66,6 +68,8 @@ from rankwise.train.racs import (
 __all__ = ["Alice", "AliceConfig", "alice_switch", "complement_basis", "top_eigvecs"]
 
 _P_FLOOR = 1e-8  # clamp of the complement second moment p (spec step 3)
+EXACT_INIT_MAX = 1024  # t = 1: exact eigh of G G^T up to this side length
+INIT_POWER_ITERS = 4  # above it: block subspace-iteration steps from a fixed-seed Gaussian start
 
 
 # --------------------------------------------------------------------------------------------------
@@ -153,8 +157,17 @@ def alice_switch(g: torch.Tensor, u: torch.Tensor | None, q: torch.Tensor | None
     m = g.shape[0]
     if not 1 <= leading <= rank <= m:
         raise ValueError(f"alice_switch: need 1 <= leading ({leading}) <= rank ({rank}) <= m ({m})")
-    if u is None:
+    if u is None and m <= EXACT_INIT_MAX:
         _, u1 = top_eigvecs(g @ g.T, leading)
+    elif u is None:
+        # large m: block subspace iteration on G G^T from a fixed-seed Gaussian start (O(m n k), no m x m matrix)
+        k = min(m, max(rank, leading + 10))
+        y = torch.randn(m, k, generator=torch.Generator().manual_seed(0), dtype=torch.float32).to(g)
+        for _ in range(INIT_POWER_ITERS):
+            y = _qr_pos(g @ (g.T @ y))[0]
+        gy = g.T @ y
+        _, vecs = top_eigvecs(gy.T @ gy, leading)
+        u1 = _fix_columns_sign(_qr_pos(y @ vecs)[0])
     else:
         def apply(x: torch.Tensor) -> torch.Tensor:  # Q~ x for x (m, k)
             return beta3 * (u @ (q @ (u.T @ x))) + (1 - beta3) * (g @ (g.T @ x))
