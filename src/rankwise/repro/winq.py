@@ -10,7 +10,7 @@
   precision for 1000 steps on the docstring corpus (AdamW 3e-3, cosine; cached as safetensors under
   the zoo's cache directory, keyed by a hash of the recipe, the corpus and the library versions),
   then 500 steps of 2-bit ParetoQ SEQ QAT of every block linear (AdamW 1e-3, cosine, 25 warm-up),
-  plain and WinQ on the first three seeds, reset-only and noise-only on the first seed. WinQ:
+  plain and WinQ on every seed (three by default), reset-only and noise-only on the first seed. WinQ:
   resets at 125/250/375 (K = T/4), alpha = 0.2, sigma = 1e-3 x RMS(W)/0.02 per layer (tiny models
   have larger weights; a choice), one-sided noise (budget).
 * smoke: the full path with a 1-layer hidden-32 model and 20 + 20 steps (wiring only).
@@ -58,7 +58,6 @@ class _LMSetup:
     fp_lr: float = 3e-3
     qat_lr: float = 1e-3
     warmup: int = 25
-    n_seeds: int = 3
     hessian_iters: int = 8
 
 
@@ -67,7 +66,7 @@ _LLAMA = dict(hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_at
 LM_SETUPS = {
     "smoke": _LMSetup(20, 20, dict(_LLAMA, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                    num_attention_heads=2, num_key_value_heads=2),
-                      seq_len=32, batch_size=4, eval_windows=4, eval_every=5, warmup=2, n_seeds=1, hessian_iters=2),
+                      seq_len=32, batch_size=4, eval_windows=4, eval_every=5, warmup=2, hessian_iters=2),
     "full": _LMSetup(1000, 500, _LLAMA),
 }
 
@@ -383,7 +382,7 @@ def run(mode: str, seeds: Sequence[int], out_dir: Path) -> ReproResult:
         runs, info = _quick(use)
         ylabel = "test loss (quantized)"
     else:
-        use = seeds[: LM_SETUPS[mode].n_seeds]
+        use = seeds
         runs, info = _lm(mode, use)
         ylabel = "validation loss (quantized, nats/byte)"
     plain, method = info["primary"]
