@@ -350,7 +350,7 @@ def test_reset_every_above_total_steps():
 
 def test_no_matching_linear_lists_candidates():
     model = _mlp()
-    with pytest.raises(SelectionError, match="0"):
+    with pytest.raises(SelectionError, match="Available Linear modules: 0, 2, 4"):
         prepare_qat(model, QATConfig(target="re:.*attention.*"))
     assert not quant_layers(model)
 
@@ -379,3 +379,26 @@ def test_nonfinite_weights_stop_with_the_layer_name_and_scales_are_clamped():
 def test_training_step_needs_a_prepared_model():
     with pytest.raises(RankwiseError, match="prepare_qat"):
         WinQCallback(10).training_step(_mlp(), _data(), _loss)
+
+
+def test_callback_checkpoint_resumes_the_same_noise():
+    batch = _data()
+    model = prepare_qat(_mlp(), QATConfig(w_bits=2))
+    cb = WinQCallback(6, sigma_w=0.05, seed=4)
+    for _ in range(2):
+        cb.training_step(model, batch, _loss)
+    state = cb.state_dict()
+
+    def grads_of(callback):
+        model.zero_grad()
+        callback.training_step(model, batch, _loss)  # params are untouched: only the noise differs
+        return [p.grad.clone() for p in model.parameters()]
+
+    third = grads_of(cb)
+    restored = WinQCallback(6, sigma_w=0.05, seed=4)
+    restored.load_state_dict(state)
+    assert all(torch.equal(a, b) for a, b in zip(third, grads_of(restored)))
+    fresh = grads_of(WinQCallback(6, sigma_w=0.05, seed=4))  # its first draw, not the third
+    assert not all(torch.equal(a, b) for a, b in zip(third, fresh))
+    with pytest.raises(RankwiseError, match="differ"):
+        WinQCallback(6, sigma_w=0.1, seed=4).load_state_dict(state)
