@@ -1,0 +1,314 @@
+"""Reproduction of Distill-MIM (spec ``shared/methods/distill_multiindex.md``).
+
+Per seed ``s``: the teacher ``MultiIndexTask(d, r, link="quadratic", seed=1000 + s)`` (task seeds
+apart from the development task 0), real data ``task.sample(12000, seed=s)`` split 8000 / 4000 for
+the two stages of ``Alg``, the reference algorithm ``TwoLayerAlg(width=L)``. Every trained model
+is evaluated the standard DD way: retrained from ``EVAL_INITS`` new initialisations (seeds never
+used in distillation) and scored by the test MSE on 10^4 fresh samples normalised by ``Var(y)``.
+
+Rows: the distilled set ``S1 u S2`` (``M1 = 2 r^2``, ``M2 = L``); full real data (upper reference);
+a random real subset and a k-center coreset with the same memory (``floor(memory / (d + 1))``
+labelled points, used by both stages); ``S1`` with the real stage-2 data (isolates stage 1); and in
+full mode the distilled set with ``M1 = d`` ("unconstrained") and the sweep ``M1 in {1, r, r^2,
+2 r^2, 4 r^2}``, plus a (d, r, L) grid with one seed.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from rankwise.repro.result import MODES, ClaimCheck, ReproResult, Table, environment
+from rankwise.science import distill_multiindex as dm
+
+ID = "distill_multiindex"
+CLAIM = ("Gradient-based dataset distillation of one-step two-layer-network training on a multi-index task stores "
+         "Theta(r^2 d + L) numbers, concentrates the distilled inputs on the r-dim task subspace, and a network "
+         "retrained on them from a new initialisation generalises nearly as well as one trained on the full data "
+         "and much better than one trained on an equal-memory random real subset.")
+EVAL_INITS = (90_001, 90_002, 90_003)
+COLUMNS = ["test_mse", "memory_numbers", "points", "energy_ratio"]
+DD = "Distilled S1+S2 (M1=2r^2)"
+FULL = "Full real data (stage 1 + stage 2 sets)"
+RAND = "Random real subset (equal memory)"
+KCEN = "k-center coreset (equal memory)"
+S1R = "Distilled S1 + real stage-2 data"
+SAME = "Distilled S1+S2, retrained from the distillation inits"
+
+
+def _sizes(mode: str) -> dict[str, Any]:
+    if mode == "smoke":
+        return {"d": 12, "r": 2, "L": 32, "n1": 800, "n2": 400, "steps": 20, "steps2": 20, "inits": 4,
+                "real_batch": 256, "stage2_inits": 2, "m1_sweep": [], "grid": [], "unconstrained": False, "tol": 1.5,
+                "curve_points": [2, 10]}
+    base = {"d": 32, "r": 2, "L": 128, "n1": 8000, "n2": 4000, "steps": 1000, "steps2": 300, "inits": 16,
+            "real_batch": 1024, "stage2_inits": 4, "tol": 1.5, "m1_sweep": [], "grid": [], "unconstrained": False,
+            "curve_points": [2, 5, 11, 22, 45, 90, 180, 360]}
+    if mode == "quick":
+        return base
+    return {**base, "tol": 1.0, "m1_sweep": ["1", "r", "r^2", "4r^2"], "unconstrained": True,
+            "grid": [(d, r, L) for d in (32, 64) for r in (1, 2, 3) for L in (64, 256)], "grid_steps": 300}
+
+
+def _m1(tag: str, r: int) -> int:
+    return {"1": 1, "r": r, "r^2": r * r, "2r^2": 2 * r * r, "4r^2": 4 * r * r}[tag]
+
+
+def _eval(alg: dm.TwoLayerAlg, task: dm.MultiIndexTask, data: Any, stage2: dm.RegressionData | None = None) -> float:
+    """Mean normalised test MSE over the evaluation inits (new inits, never used to distil)."""
+    return float(np.mean([alg.train(data, seed=s, stage2=stage2).test_mse(task) for s in EVAL_INITS]))
+
+
+def _distill(alg: dm.TwoLayerAlg, task: dm.MultiIndexTask, real: dm.RegressionData, m1: int, cfg: dict[str, Any],
+             seed: int, steps: int | None = None) -> dm.DistilledSet:
+    dist = dm.GradientMatchingDistiller(
+        alg, m1=m1, steps=steps or cfg["steps"], stage2_steps=cfg["steps2"], inits_per_step=cfg["inits"],
+        real_batch=cfg["real_batch"], stage2_inits=cfg["stage2_inits"], stage1_fraction=cfg["n1"] / (cfg["n1"] + cfg["n2"]),
+        seed=seed)
+    return dist.fit(real, task=task)
+
+
+def _savefig(fig: Any, path: Path) -> None:
+    fd, tmp = tempfile.mkstemp(suffix=".png", dir=path.parent)
+    os.close(fd)
+    try:
+        fig.savefig(tmp, dpi=110, bbox_inches="tight")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def run(mode: str, seeds: Sequence[int], out_dir: Path) -> ReproResult:
+    """Run the reproduction (see the module docstring) and return its :class:`ReproResult`."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    seeds = [int(s) for s in seeds]
+    if not seeds:
+        raise ValueError("seeds must be a non-empty sequence of ints")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    from threadpoolctl import threadpool_limits
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(min(2, threads))
+    try:
+        with threadpool_limits(1):
+            return _run(mode, seeds, out_dir)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(mode: str, seeds: list[int], out_dir: Path) -> ReproResult:
+    t0 = time.perf_counter()
+    cfg = _sizes(mode)
+    d, r, L = cfg["d"], cfg["r"], cfg["L"]
+    alg = dm.TwoLayerAlg(width=L)
+    table = Table(columns=COLUMNS, notes={
+        "test_mse": "test MSE / Var(y) on 10^4 fresh samples, mean over 3 new inits (lower is better)",
+        "memory_numbers": "numbers stored (distilled: M1 (d+1) + M2; real points: points (d+1))",
+        "points": "labelled points stored", "energy_ratio": "||U^T X||^2 / ||X||^2 of the stored inputs"})
+    extra: dict[str, Any] = {"curve": [], "points_on_U": None, "loss": {}, "grid": []}
+    for si, seed in enumerate(seeds):
+        task = dm.MultiIndexTask(d=d, r=r, seed=1000 + seed)
+        real = task.sample(cfg["n1"] + cfg["n2"], seed=seed)
+        real1, real2 = real.split(cfg["n1"])
+        ds = _distill(alg, task, real, 2 * r * r, cfg, seed)
+        mem = ds.memory_numbers
+        m_pts = dm.points_for_memory(mem, d)
+        rows = {
+            DD: (ds, None, mem, ds.m1 + ds.m2, task.energy_ratio(ds.x1)),
+            FULL: (real1, real2, real.n * (d + 1), real.n, task.energy_ratio(real.x)),
+            S1R: (ds.stage1_data(), real2, None, None, task.energy_ratio(ds.x1)),
+        }
+        rs = dm.random_subset(real, m_pts, seed=seed)
+        kc = dm.k_center_subset(real, m_pts, seed=seed)
+        rows[RAND] = (rs, None, m_pts * (d + 1), m_pts, task.energy_ratio(rs.x))
+        rows[KCEN] = (kc, None, m_pts * (d + 1), m_pts, task.energy_ratio(kc.x))
+        # the theory's protocol: stage 2 distilled for a fixed pool of inits, retrained from those inits
+        same = dm.GradientMatchingDistiller(alg, m1=ds.m1, stage2_steps=cfg["steps2"], stage2_inits=cfg["stage2_inits"],
+                                            stage2_redraw=False, seed=seed)
+        y2f, seed2 = same.distill_stage2(ds.x1, ds.y1, real2)
+        dsf = dm.DistilledSet(ds.x1, ds.y1, y2f, seed2)
+        pool = same.stage2_problem(dsf, real2, seed=seed + 1)
+        table.add(SAME, "test_mse", float(np.mean([net.test_mse(task) for net in pool.networks(alg, y2f)])))
+        table.add(SAME, "memory_numbers", dsf.memory_numbers)
+        table.add(SAME, "energy_ratio", task.energy_ratio(dsf.x1))
+        if cfg["unconstrained"]:
+            du = _distill(alg, task, real, d, cfg, seed)
+            rows[f"Distilled S1+S2 (M1=d={d})"] = (du, None, du.memory_numbers, du.m1 + du.m2, task.energy_ratio(du.x1))
+        for name, (data, st2, memo, pts, en) in rows.items():
+            table.add(name, "test_mse", _eval(alg, task, data, st2))
+            table.add(name, "energy_ratio", en)
+            if memo is not None:
+                table.add(name, "memory_numbers", memo)
+                table.add(name, "points", pts)
+        if si == 0:
+            extra["points_on_U"] = {"x1_U": (ds.x1.double() @ task.U).tolist(),
+                                    "x1_perp_norm": (ds.x1.double() - ds.x1.double() @ task.U @ task.U.T).norm(dim=1).tolist(),
+                                    "real_U": (real.x[:400].double() @ task.U).tolist()}
+            extra["loss"] = {"stage1": ds.history.stage1_loss, "stage2": ds.history.stage2_loss}
+            # memory curve: random subsets at several budgets (cheap), distilled points of the M1 sweep
+            for k in cfg["curve_points"]:
+                sub = dm.random_subset(real, k, seed=seed)
+                extra["curve"].append({"kind": "random subset", "memory": k * (d + 1), "test_mse": _eval(alg, task, sub)})
+            extra["curve"].append({"kind": "distilled", "memory": mem, "test_mse": table.values(DD, "test_mse")[-1],
+                                   "m1": ds.m1})
+            for tag in cfg["m1_sweep"]:
+                m1 = _m1(tag, r)
+                dsm = _distill(alg, task, real, m1, cfg, seed)
+                extra["curve"].append({"kind": "distilled", "memory": dsm.memory_numbers, "m1": m1,
+                                       "test_mse": _eval(alg, task, dsm), "energy": task.energy_ratio(dsm.x1)})
+            extra["full_data"] = table.values(FULL, "test_mse")[-1]
+    for gd, gr, gL in cfg["grid"]:
+        galg = dm.TwoLayerAlg(width=gL)
+        task = dm.MultiIndexTask(d=gd, r=gr, seed=1000 + seeds[0])
+        n1 = max(8000, 8 * gd * gd)
+        real = task.sample(n1 + n1 // 2, seed=seeds[0])
+        gcfg = {**cfg, "n1": n1, "n2": n1 // 2}
+        ds = _distill(galg, task, real, 2 * gr * gr, gcfg, seeds[0], steps=cfg["grid_steps"])
+        r1, r2 = real.split(n1)
+        m_pts = dm.points_for_memory(ds.memory_numbers, gd)
+        extra["grid"].append({"d": gd, "r": gr, "L": gL, "memory": ds.memory_numbers,
+                              "bound": gr * gr * gd + gL, "energy": task.energy_ratio(ds.x1),
+                              "dd": _eval(galg, task, ds), "full": _eval(galg, task, r1, r2),
+                              "random": _eval(galg, task, dm.random_subset(real, m_pts, seed=seeds[0]))})
+
+    # ---------------- claims (quick: one-seed tolerances x1.5 as the spec says)
+    tol = cfg["tol"]
+    m = table.mean
+    bound = r * r * d + L
+    checks = [
+        ClaimCheck(f"(a) test MSE of Alg(S1 u S2) - test MSE of Alg(full data) (tolerance 0.15 x {tol:g})",
+                   m(DD, "test_mse") - m(FULL, "test_mse"), "<=", 0.15 * tol, unit="normalised MSE"),
+        ClaimCheck(f"(b) random equal-memory subset test MSE - distilled test MSE (gap 0.2 / {tol:g})",
+                   m(RAND, "test_mse") - m(DD, "test_mse"), ">=", 0.2 / tol, unit="normalised MSE"),
+        ClaimCheck(f"(c) energy ratio of the distilled inputs in span(U) (random inputs: r/d = {r / d:.3f})",
+                   m(DD, "energy_ratio"), ">=", 0.8),
+        ClaimCheck(f"(d) memory / (r^2 d + L) = memory / {bound}", m(DD, "memory_numbers") / bound, "<=", 3.0,
+                   unit="x"),
+    ]
+    s1_gap = m(S1R, "test_mse") - m(FULL, "test_mse")
+    same_gap = m(SAME, "test_mse") - m(FULL, "test_mse")
+    dd_gap = m(DD, "test_mse") - m(FULL, "test_mse")
+    notes = (
+        f"Alg: one stage-1 step with eta1 = sqrt(d) L and row renormalisation, ridge readout (lambda 1e-3), symmetric "
+        f"initialisation (f = 0 at init). Distiller: stage 1 = {cfg['steps']} Adam steps (cosine-decayed lr) on "
+        f"normalised gradient matching over {cfg['inits']} fresh inits per step and a fresh real batch of "
+        f"{cfg['real_batch']}; stage 2 = {cfg['steps2']} Adam steps on the L labels of seed-regenerated Gaussian "
+        f"inputs, matching readout gradients at networks trained by stage 1 on S1 (fresh inits each step), at the "
+        f"distilled readout and around the real readout. Evaluation retrains from 3 new inits. Where the gap comes "
+        f"from: S1 + the real stage-2 data is {s1_gap:+.3f} from the full data (stage 1 alone meets claim (a)); the "
+        f"distilled set retrained from the inits its labels were distilled for (the theory's protocol) is "
+        f"{same_gap:+.3f}; from new inits it is {dd_gap:+.3f}. So the miss of (a) is stage 2 under re-initialisation: "
+        f"ridge regression of L features on M2 = L fixed points sits at the interpolation threshold and a new "
+        f"initialisation changes the features, so L labels cannot reproduce the real readout of every network "
+        f"(the least-squares optimum of the labels over 48 networks also stays far from the full data, see the "
+        f"method page).")
+    if mode == "quick":
+        notes += " Quick mode uses the spec's x1.5 tolerances for one-seed runs."
+    if mode == "smoke":
+        notes += " Smoke mode: tiny sizes, the verdict is not meaningful."
+    figures = _figures(out_dir, table, extra, cfg)
+    result = ReproResult(
+        id=ID, mode=mode, seeds=seeds, claim=CLAIM, table=table, checks=checks, figures=figures, notes=notes,
+        config={k: v for k, v in cfg.items()} | {"eval_inits": list(EVAL_INITS), "eta1": "sqrt(d) L", "ridge": 1e-3,
+                                                 "m1": 2 * r * r, "m2": L,
+                                                 "lr": dm.DistillConfig().lr, "stage2_lr": dm.DistillConfig().stage2_lr},
+        wall_time_s=time.perf_counter() - t0, environment=environment(seeds), extra=extra)
+    result.save(out_dir)
+    return result
+
+
+def _figures(out_dir: Path, table: Table, extra: dict[str, Any], cfg: dict[str, Any]) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = []
+    # 1. accuracy vs memory
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    rs = [c for c in extra["curve"] if c["kind"] == "random subset"]
+    ax.semilogx([c["memory"] for c in rs], [c["test_mse"] for c in rs], "o-", color="#888", label="random real subset")
+    dd = sorted([c for c in extra["curve"] if c["kind"] == "distilled"], key=lambda c: c["memory"])
+    ax.semilogx([c["memory"] for c in dd], [c["test_mse"] for c in dd], "s-", color="#37a", label="distilled (M1 sweep)")
+    for c in dd:
+        ax.annotate(f"M1={c['m1']}", (c["memory"], c["test_mse"]), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    if "full_data" in extra:
+        ax.axhline(extra["full_data"], color="k", ls="--", label="full real data (12000 points)")
+    bound = cfg["r"] ** 2 * cfg["d"] + cfg["L"]
+    ax.axvline(bound, color="#3a7", ls=":", label="r^2 d + L")
+    ax.set_xlabel("memory (numbers stored)")
+    ax.set_ylabel("test MSE / Var(y), retrained from new inits")
+    ax.set_title(f"Accuracy vs memory (d={cfg['d']}, r={cfg['r']}, L={cfg['L']}, first seed)")
+    ax.legend(fontsize=8)
+    _savefig(fig, out_dir / "accuracy_vs_memory.png")
+    plt.close(fig)
+    names.append("accuracy_vs_memory.png")
+    # 2. distilled inputs projected on U
+    if extra["points_on_U"] is not None:
+        p = extra["points_on_U"]
+        fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+        ru = np.array(p["real_U"])
+        xu = np.array(p["x1_U"])
+        if ru.shape[1] >= 2:
+            axes[0].scatter(ru[:, 0], ru[:, 1], s=4, color="#bbb", label="real inputs")
+            axes[0].scatter(xu[:, 0], xu[:, 1], s=40, color="#c33", label="distilled inputs")
+            axes[0].set_xlabel("u_1 . x")
+            axes[0].set_ylabel("u_2 . x")
+        else:
+            axes[0].hist(ru[:, 0], bins=40, color="#bbb", density=True, label="real inputs")
+            axes[0].scatter(xu[:, 0], np.zeros(len(xu)), s=40, color="#c33", label="distilled inputs")
+            axes[0].set_xlabel("u_1 . x")
+        axes[0].legend(fontsize=8)
+        axes[0].set_title("Distilled inputs projected on span(U)")
+        axes[1].bar(range(len(xu)), np.linalg.norm(xu, axis=1), label="||U^T x||")
+        axes[1].bar(range(len(xu)), p["x1_perp_norm"], bottom=np.linalg.norm(xu, axis=1), label="||x - U U^T x||")
+        axes[1].set_xlabel("distilled point")
+        axes[1].legend(fontsize=8)
+        axes[1].set_title("In-subspace vs orthogonal norm")
+        _savefig(fig, out_dir / "distilled_points.png")
+        plt.close(fig)
+        names.append("distilled_points.png")
+    # 3. losses and the table's test MSE
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    for k, v in extra["loss"].items():
+        axes[0].plot(np.convolve(v, np.ones(10) / 10, mode="valid"), label=k)
+    axes[0].set_yscale("log")
+    axes[0].set_xlabel("step")
+    axes[0].set_ylabel("matching loss (10-step mean)")
+    axes[0].legend(fontsize=8)
+    rows = [rw for rw in table.rows if table.values(rw, "test_mse")]
+    axes[1].barh(range(len(rows)), [table.mean(rw, "test_mse") for rw in rows],
+                 xerr=[table.std(rw, "test_mse") for rw in rows], color="#37a")
+    axes[1].set_yticks(range(len(rows)))
+    axes[1].set_yticklabels(rows, fontsize=7)
+    axes[1].set_xlabel("test MSE / Var(y)")
+    _savefig(fig, out_dir / "losses_and_errors.png")
+    plt.close(fig)
+    names.append("losses_and_errors.png")
+    if extra["grid"]:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        g = extra["grid"]
+        ax.scatter([e["bound"] for e in g], [e["memory"] for e in g], c=[e["dd"] for e in g], cmap="viridis")
+        for e in g:
+            ax.annotate(f"d{e['d']} r{e['r']} L{e['L']}", (e["bound"], e["memory"]), fontsize=6)
+        lim = [min(e["bound"] for e in g) * 0.8, max(e["bound"] for e in g) * 1.2]
+        ax.plot(lim, lim, "k--", lw=0.8, label="memory = r^2 d + L")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("r^2 d + L")
+        ax.set_ylabel("memory used")
+        ax.legend(fontsize=8)
+        ax.set_title("Memory scaling over the (d, r, L) grid (colour: test MSE)")
+        _savefig(fig, out_dir / "memory_scaling.png")
+        plt.close(fig)
+        names.append("memory_scaling.png")
+    return names
