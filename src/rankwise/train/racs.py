@@ -474,8 +474,9 @@ class RACS(LowMemOptimizer):
                  adamw_betas: tuple[float, float] = (0.9, 0.999), adamw_eps: float = 1e-8,
                  nonfinite: str = "skip"):
         defaults = dict(lr=lr, beta=beta, alpha=alpha, gamma=gamma, eps=eps, weight_decay=weight_decay,
-                        normalize=normalize, use_adamw=False, adamw_betas=tuple(adamw_betas)
-                        if isinstance(adamw_betas, (list, tuple)) else adamw_betas, adamw_eps=adamw_eps)
+                        normalize=normalize, use_adamw=False,
+                        adamw_betas=tuple(adamw_betas) if isinstance(adamw_betas, list) else adamw_betas,
+                        adamw_eps=adamw_eps)
         super().__init__(params, defaults, nonfinite=nonfinite)
 
     @classmethod
