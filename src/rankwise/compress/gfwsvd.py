@@ -35,19 +35,18 @@ backward pass), or the data are re-run for each half-step (``storage="recompute"
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import time
 import warnings
-from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Literal, Mapping, NamedTuple, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator, Literal, Mapping, Sequence
 
 import torch
 from torch import nn
 
 from rankwise.compress.base import LayerMethod, PairedStats, register_layer_method
-from rankwise.core.errors import NumericalError, RankwiseError
+from rankwise.core.errors import NumericalError
 from rankwise.core.linalg import LowRankFactors, check_finite, damped_cholesky, weighted_lowrank_factors
 from rankwise.core.registry import register
 from rankwise.core.select import Selector, select

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import copy
 import random
-import statistics
 import time
 from pathlib import Path
 from typing import Any, Sequence
