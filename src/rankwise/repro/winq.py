@@ -89,7 +89,10 @@ def _hvp_top_eigs(loss_fn: Callable[[], torch.Tensor], weight: torch.Tensor, k: 
     v, _ = torch.linalg.qr(torch.randn(n, k, generator=gen))
 
     def hv(vecs: torch.Tensor) -> torch.Tensor:
-        loss = loss_fn()
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel(SDPBackend.MATH):  # the fused CPU attention kernels have no double backward
+            loss = loss_fn()
         (g,) = torch.autograd.grad(loss, weight, create_graph=True)
         cols = []
         for j in range(vecs.shape[1]):
