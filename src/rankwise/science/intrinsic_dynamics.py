@@ -166,9 +166,10 @@ def _floor_eigs(lam: Tensor) -> Tensor:
 
 
 def _sqrtm_shift(S: Tensor, c: float) -> Tensor:
-    """``(S + c I)^{1/2}`` for symmetric PSD ``S`` and ``c >= 0``."""
+    """``(S + c I)^{1/2}`` for symmetric PSD ``S`` and ``c >= 0``; eigenvalues of ``S`` below
+    ``EIG_FLOOR_REL * lambda_max`` count as 0 (the square root would turn 1e-17 rounding into 3e-9)."""
     lam, V = _eigh(S)
-    return (V * (lam.clamp_min(0) + c).sqrt()) @ V.mT
+    return (V * (_floor_eigs(lam) + c).sqrt()) @ V.mT
 
 
 # --------------------------------------------------------------------------------------------------
@@ -1105,7 +1106,7 @@ class CriterionReport:
 
     ``inclusion``: ``ker d phi ∩ ker d h ⊂ ker dM`` holds (necessary condition for an intrinsic flow);
     ``rank_phi_h`` / ``rank_with_M``: ranks of ``[d phi; d h]`` and ``[d phi; d h; d vec M]`` (each block
-    scaled to unit spectral norm, relative tolerance ``tol``); ``kernel_dim``: ``dim theta - rank_phi_h``;
+    scaled to unit spectral norm; singular values above ``tol`` times the norm of ``[d phi; d h]`` count); ``kernel_dim``: ``dim theta - rank_phi_h``;
     ``leakage``: ``||dM K|| / ||dM||`` over an orthonormal basis ``K`` of the joint kernel (0 if empty).
     """
 
@@ -1122,11 +1123,13 @@ class CriterionReport:
                 "kernel_dim": self.kernel_dim, "leakage": self.leakage}
 
 
-def _rank(A: Tensor, tol: float) -> int:
+def _rank(A: Tensor, tol: float, scale: float | None = None) -> int:
+    """Numerical rank: singular values above ``tol * scale`` (``scale`` = the largest one by default)."""
     if A.numel() == 0:
         return 0
     s = torch.linalg.svdvals(A)
-    return int((s > tol * s.max().clamp_min(1e-300)).sum()) if float(s.max()) > 0 else 0
+    ref = float(s.max()) if scale is None else scale
+    return int((s > tol * ref).sum()) if ref > 0 else 0
 
 
 def _unit(A: Tensor) -> Tensor:
@@ -1163,8 +1166,10 @@ def check_criterion(system: LiftedSystem, theta: Any, *, invariants: Callable[[T
         raise ValueError(f"tol must be a float in (0, 1), got {tol!r}")
     Jphi, Jh, JM = _criterion_jacobians(system, th, invariants)
     A = torch.cat([_unit(Jphi), _unit(Jh)]) if Jh.numel() else _unit(Jphi)
-    r1 = _rank(A, tol)
-    r2 = _rank(torch.cat([A, _unit(JM)]), tol)
+    # one absolute threshold for both ranks, so that adding rows can only add rank (interlacing)
+    scale = float(torch.linalg.matrix_norm(A, ord=2))
+    r1 = _rank(A, tol, scale)
+    r2 = _rank(torch.cat([A, _unit(JM)]), tol, scale)
     # leakage: dM on an orthonormal basis of the joint kernel
     _, s, Vh = torch.linalg.svd(A, full_matrices=True)
     K = Vh[r1:].mT
