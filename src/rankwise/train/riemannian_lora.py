@@ -509,7 +509,8 @@ class _LiftedOptimizer(torch.optim.Optimizer):
                                  f"expected {(b.shape[0], a.shape[1])}")
             state = self.state[a]
             step = int(state.get("step", 0)) + 1
-            if not bool(torch.isfinite(gx).all()):
+            # one reduction instead of an elementwise pass: NaN/Inf propagate into the sum
+            if not bool(torch.isfinite(gx.sum())):
                 msg = f"{self.method_name}: non-finite gradient (NaN/Inf) for LoRA pair {pair.name!r} at step {step}"
                 if self.nonfinite == "raise":
                     raise NumericalError(msg + " (pass nonfinite='skip' to skip such steps)")
