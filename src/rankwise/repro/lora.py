@@ -91,9 +91,8 @@ MAX_TIME_RATIO = 1.10
 MIN_ABOVE_CHANCE = 0.10
 
 ROWS = ("rankwise LoRA", "PEFT LoRA", "full fine-tuning", "head only (frozen encoder)")
-COLUMNS = ["test accuracy", "final train loss", "trainable params", "median step (ms)",
-           "step-time ratio vs PEFT", "max |logit diff| vs PEFT at init", "max |loss diff| vs PEFT",
-           "max |test-logit diff| vs PEFT after training"]
+COLUMNS = ["accuracy", "final loss", "trainable", "step (ms)", "time / PEFT", "Δlogit init", "Δloss max",
+           "Δlogit end"]
 
 
 def _peft_lora(model: torch.nn.Module) -> torch.nn.Module:
@@ -229,20 +228,20 @@ def _run_seed(seed: int, S: dict[str, Any], table: Table, extra: dict[str, Any])
     rows = [("rankwise LoRA", "rankwise", trainers["rankwise"]), ("PEFT LoRA", "peft", trainers["peft"]),
             ("full fine-tuning", "full", t_full)]
     for row, key, tr in rows:
-        table.add(row, "test accuracy", ev[key].accuracy)
-        table.add(row, "final train loss", _final_loss(curves[key]))
-        table.add(row, "trainable params", sum(p.numel() for p in tr.params))
-        table.add(row, "median step (ms)", 1e3 * statistics.median(times[key]))
+        table.add(row, "accuracy", ev[key].accuracy)
+        table.add(row, "final loss", _final_loss(curves[key]))
+        table.add(row, "trainable", sum(p.numel() for p in tr.params))
+        table.add(row, "step (ms)", 1e3 * statistics.median(times[key]))
     if head is not None:
         t_head, ev_head = head
-        table.add(ROWS[3], "test accuracy", ev_head.accuracy)
-        table.add(ROWS[3], "final train loss", _final_loss(t_head.losses))
-        table.add(ROWS[3], "trainable params", sum(p.numel() for p in t_head.params))
-        table.add(ROWS[3], "median step (ms)", 1e3 * statistics.median(t_head.step_times))
-    table.add("rankwise LoRA", "step-time ratio vs PEFT", ratio)
-    table.add("rankwise LoRA", "max |logit diff| vs PEFT at init", init_diff)
-    table.add("rankwise LoRA", "max |loss diff| vs PEFT", loss_diff)
-    table.add("rankwise LoRA", "max |test-logit diff| vs PEFT after training", test_diff)
+        table.add(ROWS[3], "accuracy", ev_head.accuracy)
+        table.add(ROWS[3], "final loss", _final_loss(t_head.losses))
+        table.add(ROWS[3], "trainable", sum(p.numel() for p in t_head.params))
+        table.add(ROWS[3], "step (ms)", 1e3 * statistics.median(t_head.step_times))
+    table.add("rankwise LoRA", "time / PEFT", ratio)
+    table.add("rankwise LoRA", "Δlogit init", init_diff)
+    table.add("rankwise LoRA", "Δloss max", loss_diff)
+    table.add("rankwise LoRA", "Δlogit end", test_diff)
 
     extra.setdefault("curves", {})[str(seed)] = curves
     extra.setdefault("step_times_s", {})[str(seed)] = times
@@ -293,15 +292,15 @@ def _figure(out_dir: Path, table: Table, extra: dict[str, Any], seeds: list[int]
     ax.legend(fontsize=8)
 
     ax = axes[2]
-    rows = [r for r in ROWS if table.values(r, "test accuracy")]
-    means = [table.mean(r, "test accuracy") for r in rows]
-    stds = [table.std(r, "test accuracy") for r in rows]
+    rows = [r for r in ROWS if table.values(r, "accuracy")]
+    means = [table.mean(r, "accuracy") for r in rows]
+    stds = [table.std(r, "accuracy") for r in rows]
     colors = ["C0", "C1", "C2", "C7"][: len(rows)]
     ax.bar(range(len(rows)), means, yerr=stds, color=colors, capsize=4)
     for i, r in enumerate(rows):
-        for v in table.values(r, "test accuracy"):
+        for v in table.values(r, "accuracy"):
             ax.plot(i, v, "k.", ms=4)
-        ax.text(i, means[i] + 0.01, f"{means[i]:.3f}", ha="center", va="bottom", fontsize=8)
+        ax.text(i, means[i] + stds[i] + 0.015, f"{means[i]:.3f}", ha="center", va="bottom", fontsize=8)
     chance = extra.get("chance")
     if chance:
         ax.axhline(chance, color="k", ls=":", lw=1, label="chance")
@@ -333,21 +332,24 @@ def run(mode: str, seeds: Sequence[int], out_dir: Path) -> ReproResult:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     table = Table(columns=list(COLUMNS), notes={
-        "test accuracy": "higher is better",
-        "final train loss": "mean over the last fifth of the steps",
-        "median step (ms)": "forward + backward + optimizer step; measured under whatever load the machine had",
-        "step-time ratio vs PEFT": "median over steps of t_rankwise / t_PEFT of the same lock-stepped step",
-        "max |logit diff| vs PEFT at init": "same non-zero A and B in both, eval mode",
+        "accuracy": "test accuracy, higher is better",
+        "final loss": "training loss, mean over the last fifth of the steps",
+        "trainable": "trained parameters",
+        "step (ms)": "median forward + backward + optimizer step, under whatever load the machine had",
+        "time / PEFT": "median over steps of t_rankwise / t_PEFT of the same lock-stepped step",
+        "Δlogit init": "max |logit rankwise - PEFT|, same non-zero A and B in both, eval mode",
+        "Δloss max": "max over steps of |training loss rankwise - PEFT|",
+        "Δlogit end": "max |test logit rankwise - PEFT| after training",
     })
     extra: dict[str, Any] = {}
     per_seed = [_run_seed(s, S, table, extra) for s in seeds]
     info = per_seed[0]
     extra["chance"] = info["chance"]
 
-    acc_rw = table.mean("rankwise LoRA", "test accuracy")
-    acc_pm = table.mean("PEFT LoRA", "test accuracy")
-    acc_full = table.mean("full fine-tuning", "test accuracy")
-    ratio = statistics.median(table.values("rankwise LoRA", "step-time ratio vs PEFT"))
+    acc_rw = table.mean("rankwise LoRA", "accuracy")
+    acc_pm = table.mean("PEFT LoRA", "accuracy")
+    acc_full = table.mean("full fine-tuning", "accuracy")
+    ratio = statistics.median(table.values("rankwise LoRA", "time / PEFT"))
     checks = [
         ClaimCheck("(a) same factors give the same logits: max |logit rankwise - PEFT| (non-zero A, B)",
                    max(p["init_diff"] for p in per_seed), "<=", TOL_LOGITS),
@@ -381,7 +383,7 @@ def run(mode: str, seeds: Sequence[int], out_dir: Path) -> ReproResult:
 
 
 def _notes(mode: str, table: Table, per_seed: list[dict[str, Any]], info: dict[str, Any]) -> str:
-    acc = {r: table.mean(r, "test accuracy") for r in ROWS if table.values(r, "test accuracy")}
+    acc = {r: table.mean(r, "accuracy") for r in ROWS if table.values(r, "accuracy")}
     lines = [
         f"Task '{TASK}' of rankwise.zoo (3 balanced classes: class / function / method docstrings; "
         f"{info['n_train']} training and {info['n_test']} test examples here). Chosen because it is learnable but "
