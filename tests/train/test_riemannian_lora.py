@@ -350,3 +350,37 @@ def test_factor_grads_without_grad_x_raise():
     model(_rand(2, 6, seed=0)).sum().backward()
     with pytest.raises(RankwiseError, match="G_X"):
         opt.step()
+
+
+def test_lracs_direction_is_racs_on_x():
+    from rankwise.train.racs import RACS
+
+    model = _toy()
+    opt = LRACS(model, lr=1e-2, capture=False)
+    w = nn.Parameter(torch.zeros(8, 6, dtype=D64))
+    racs = RACS([w], lr=1e-2)
+    for t in range(3):
+        gx = _rand(8, 6, seed=20 + t)
+        d = opt._direction(gx.clone(), opt.state.setdefault("probe", {"step": t + 1}), opt.param_groups[0])
+        before = w.detach().clone()
+        w.grad = gx.clone()
+        racs.step()
+        assert torch.allclose(d, (before - w.detach()) / 1e-2, rtol=1e-10, atol=1e-14)
+
+
+def test_ridge_trains_from_peft_zero_init():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8, bias=False).double())
+    add_lora(model, ["0"], rank=3, alpha=6.0, generator=torch.Generator().manual_seed(0))
+    assert float(model[0].lora_B["default"].weight.detach().abs().sum()) == 0.0
+    opt = AdamS(model, lr=1e-2, ridge=1e-3)
+    target, xin = _rand(8, 6, seed=11), _rand(16, 6, seed=12)
+    losses = []
+    for _ in range(20):
+        opt.zero_grad()
+        loss = _toy_loss(model, target, xin)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0]
+    assert float(model[0].lora_B["default"].weight.detach().abs().sum()) > 0.0
