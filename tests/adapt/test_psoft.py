@@ -156,9 +156,10 @@ def test_training_steps_reduce_a_loss_and_the_report_tracks_orthogonality():
 # PEFT's PSOFT
 # ------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("neumann", [None, 5])
-def test_same_function_as_peft_psoft_with_singular_values_on_the_output_side(neumann):
-    """Same frozen factors and same (q, alpha, beta) -> same outputs; PEFT's t terms are our t - 2."""
+@pytest.mark.parametrize("neumann,eps,scale", [(None, None, 0.05), (5, None, 0.05), (7, 0.5, 0.3)])
+def test_same_function_as_peft_psoft_with_singular_values_on_the_output_side(neumann, eps, scale):
+    """Same frozen factors and same (q, alpha, beta) -> same outputs; PEFT's t terms are our t - 2,
+    PEFT's cayley_neumann_eps is our neumann_eps."""
     from peft import PsoftConfig, inject_adapter_in_model
 
     r = 6
@@ -166,11 +167,11 @@ def test_same_function_as_peft_psoft_with_singular_values_on_the_output_side(neu
     y0 = contract.forward(ref, "bert")
     peft_cfg = PsoftConfig(r=r, target_modules=list(TARGETS), psoft_alpha=r,
                            use_cayley_neumann=neumann is not None,
-                           num_cayley_neumann_terms=5 if neumann is None else neumann)
+                           num_cayley_neumann_terms=5 if neumann is None else neumann, cayley_neumann_eps=eps)
     peft_model = inject_adapter_in_model(peft_cfg, contract.tiny_model("bert"))
     ours = psoft.adapt(contract.tiny_model("bert"), psoft.PSOFTConfig(
-        r=r, cayley="exact" if neumann is None else "neumann", neumann_terms=0 if neumann is None else neumann - 2),
-        target=TARGETS)
+        r=r, cayley="exact" if neumann is None else "neumann", neumann_terms=0 if neumann is None else neumann - 2,
+        neumann_eps=eps), target=TARGETS)
     torch.testing.assert_close(contract.forward(peft_model, "bert"), y0, atol=1e-5, rtol=0)  # identity at init
     torch.testing.assert_close(contract.forward(ours, "bert"), y0, atol=1e-5, rtol=0)
     g = torch.Generator().manual_seed(0)
@@ -185,7 +186,7 @@ def test_same_function_as_peft_psoft_with_singular_values_on_the_output_side(neu
             core.A.copy_(A)
             core.B.copy_(s * B)
             R = peft_layer.psoft_R["default"]
-            R.weight.copy_(0.05 * torch.randn(R.weight.shape, generator=g))
+            R.weight.copy_(scale * torch.randn(R.weight.shape, generator=g))
             R.vector_a.copy_(1 + 0.1 * torch.randn(r, generator=g))
             R.vector_b.copy_(1 + 0.1 * torch.randn(r, generator=g))
             core.q.copy_(R.weight)
@@ -203,6 +204,7 @@ def test_same_function_as_peft_psoft_with_singular_values_on_the_output_side(neu
     (dict(r=0), "r must be"),
     (dict(cayley="pade"), "cayley"),
     (dict(neumann_terms=-1), "neumann_terms"),
+    (dict(neumann_eps=1.0), "neumann_eps"),
     (dict(orth=1), "orth"),
     (dict(singular_values_on="both"), "singular_values_on"),
     (dict(dropout=-0.1), "dropout"),
@@ -291,3 +293,17 @@ def test_registered():
 
     entry = get("psoft")
     assert entry.config is psoft.PSOFTConfig and entry.entry is psoft.adapt
+
+
+def test_neumann_eps_caps_the_generator_norm_and_silences_the_warning():
+    r = 6
+    Q = psoft.skew_from_params(_random_q(r, 3.0), r)
+    R = psoft.cayley(Q, 5, eps=0.5)
+    Qs = Q * (0.5 / float(torch.linalg.matrix_norm(Q, "fro")))
+    torch.testing.assert_close(R, psoft.cayley(Qs, 5))
+    model = psoft.adapt(contract.tiny_model("mlp"), psoft.PSOFTConfig(r=6, neumann_eps=0.5), target=nn.Linear)
+    with torch.no_grad():
+        model[0].psoft["default"].q.copy_(_random_q(6, 1.5))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        contract.forward(model, "mlp")

@@ -12,7 +12,10 @@ exactly (``torch.linalg.solve``) or with ``t`` Neumann terms for ``(I + Q)^{-1}`
 
     R_t = I + 2 sum_{k=1..t} (-Q)^k + (-Q)^{t+1}          (t = 0 gives I - Q)
 
-Trainable: ``r (r - 1)/2 + 2 r`` parameters per matrix, independent of ``d_in``, ``d_out``.
+The series converges only for ``||Q|| < 1``; rankwise warns once per adapter when the spectral norm
+of ``Q`` passes 0.9, and ``neumann_eps`` (PEFT's ``cayley_neumann_eps``) optionally rescales ``Q`` to a
+Frobenius norm below 1 first. Trainable: ``r (r - 1)/2 + 2 r`` parameters per matrix, independent of
+``d_in``, ``d_out``.
 
 Geometry. With ``alpha = beta = 1`` and exact Cayley, ``M`` is orthogonal. Where the singular values
 go decides what it preserves (``singular_values_on``):
@@ -117,6 +120,9 @@ class PSOFTConfig:
         target: module-name patterns (the four attention projections of a BERT-style model).
         cayley: ``"neumann"`` (truncated series, ``neumann_terms`` terms) or ``"exact"`` (linear solve).
         neumann_terms: ``t >= 0`` of the truncated Neumann series of ``(I + Q)^{-1}``.
+        neumann_eps: optional bound in (0, 1) on ``||Q||_F`` for the Neumann series: a larger ``Q`` is
+            rescaled to it before the series (PEFT's ``cayley_neumann_eps``, from OFTv2), which keeps the
+            series convergent at the price of capping the rotation angle. None (default): no rescaling.
         orth: Cayley-parametrised orthogonal core; ``False``: a free ``r x r`` matrix (init I, LoRA-XS).
         train_alpha, train_beta: learn the input-side / output-side relaxation vectors (init 1).
         singular_values_on: ``"output"`` (B = U S, A = V^T, default) or ``"input"`` (B = U, A = S V^T).
@@ -127,6 +133,7 @@ class PSOFTConfig:
     target: tuple[str, ...] = ("query", "key", "value", "attention.output.dense")
     cayley: str = "neumann"
     neumann_terms: int = 5
+    neumann_eps: float | None = None
     orth: bool = True
     train_alpha: bool = True
     train_beta: bool = True
@@ -146,6 +153,9 @@ class PSOFTConfig:
             raise ValueError(f"PSOFTConfig.cayley must be one of {CAYLEY}, got {self.cayley!r}")
         if isinstance(self.neumann_terms, bool) or not isinstance(self.neumann_terms, int) or self.neumann_terms < 0:
             raise ValueError(f"PSOFTConfig.neumann_terms must be an int >= 0, got {self.neumann_terms!r}")
+        eps = self.neumann_eps
+        if eps is not None and (isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0.0 < eps < 1.0):
+            raise ValueError(f"PSOFTConfig.neumann_eps must be None or in (0, 1), got {eps!r}")
         for fname in ("orth", "train_alpha", "train_beta"):
             if not isinstance(getattr(self, fname), bool):
                 raise ValueError(f"PSOFTConfig.{fname} must be a bool, got {getattr(self, fname)!r}")
@@ -209,16 +219,21 @@ def skew_from_params(q: torch.Tensor, r: int) -> torch.Tensor:
     return L - L.T
 
 
-def cayley(Q: torch.Tensor, terms: int | None = 5) -> torch.Tensor:
+def cayley(Q: torch.Tensor, terms: int | None = 5, eps: float | None = None) -> torch.Tensor:
     """``R = (I - Q)(I + Q)^{-1}`` exactly (``terms=None``) or by the truncated Neumann series with ``terms`` terms.
 
-    ``R_t = I + 2 sum_{k=1..t} (-Q)^k + (-Q)^{t+1}``; its error from the exact map is ``O(||Q||^{t+2})``
-    for ``||Q|| < 1``. For skew ``Q`` the exact ``R`` is orthogonal.
+    ``R_t = I + 2 sum_{k=1..t} (-Q)^k + (-Q)^{t+1}``; its error from the exact map is ``O(||Q||^{t+1})``
+    for ``||Q|| < 1``. For skew ``Q`` the exact ``R`` is orthogonal. With ``eps`` (Neumann only), ``Q``
+    is first rescaled to Frobenius norm ``eps`` when it is larger.
     """
     r = Q.shape[-1]
     eye = torch.eye(r, dtype=Q.dtype, device=Q.device)
     if terms is None:
         return torch.linalg.solve(eye + Q, eye - Q, left=False)
+    if eps is not None:
+        norm = torch.linalg.matrix_norm(Q, "fro")
+        if bool(torch.isfinite(norm)) and float(norm) > eps:
+            Q = Q * (eps / (norm + 1e-12))
     R = eye.clone()
     P = eye
     for _ in range(terms):
@@ -264,13 +279,14 @@ class _Core(nn.Module):
     """One named PSOFT adapter of a layer: trainable ``q`` (or free ``R``), ``alpha``, ``beta``; frozen ``A``, ``B``."""
 
     def __init__(self, A: torch.Tensor, B: torch.Tensor, *, orth: bool, train_alpha: bool, train_beta: bool,
-                 cayley_mode: str, terms: int) -> None:
+                 cayley_mode: str, terms: int, eps: float | None = None) -> None:
         super().__init__()
         r = A.shape[0]
         self.r = r
         self.orth = orth
         self.cayley_mode = cayley_mode
         self.terms = terms
+        self.eps = eps
         dt, dev = A.dtype, A.device
         self.register_buffer("A", A)
         self.register_buffer("B", B)
@@ -292,7 +308,7 @@ class _Core(nn.Module):
         if self.R is not None:
             return self.R
         Q = self.skew()
-        if self.cayley_mode == "neumann" and not self._warned and self.r > 1:
+        if self.cayley_mode == "neumann" and self.eps is None and not self._warned and self.r > 1:
             with torch.no_grad():
                 if float(torch.linalg.matrix_norm(Q, "fro")) > NEUMANN_WARN_NORM:  # cheap bound first
                     norm = float(torch.linalg.matrix_norm(Q.float(), 2))
@@ -301,7 +317,9 @@ class _Core(nn.Module):
                         warnings.warn(f"PSOFT: the spectral norm of Q is {norm:.3f} > {NEUMANN_WARN_NORM}; the "
                                       "truncated Neumann series is inaccurate (and diverges at 1). Use "
                                       "cayley='exact', more neumann_terms, or a smaller learning rate", stacklevel=4)
-        return cayley(Q, None if self.cayley_mode == "exact" else self.terms)
+        if self.cayley_mode == "exact":
+            return cayley(Q, None)
+        return cayley(Q, self.terms, self.eps)
 
     def matrix(self) -> torch.Tensor:
         """``M = diag(beta) R diag(alpha)`` (``r x r``)."""
@@ -394,8 +412,8 @@ class PSOFTLinear(nn.Module):
             raise KeyError(f"{self._where()} has no adapter {name!r} (it has {self.adapters})")
 
     def add_adapter(self, name: str, A: torch.Tensor, B: torch.Tensor, *, orth: bool = True, train_alpha: bool = True,
-                    train_beta: bool = True, cayley_mode: str = "neumann", terms: int = 5, dropout: float = 0.0,
-                    config: Mapping[str, Any] | None = None) -> "_Core":
+                    train_beta: bool = True, cayley_mode: str = "neumann", terms: int = 5, eps: float | None = None,
+                    dropout: float = 0.0, config: Mapping[str, Any] | None = None) -> "_Core":
         """Create (or replace) adapter ``name`` with frozen factors ``A (r, in)``, ``B (out, r)`` (copied), core at init."""
         validate_adapter_name(name)
         if name in self.merged_adapters:
@@ -410,12 +428,12 @@ class PSOFTLinear(nn.Module):
             raise ValueError(f"cayley_mode must be one of {CAYLEY}, got {cayley_mode!r}")
         dev = self.base_layer.weight.device
         core = _Core(_owned(A, dev), _owned(B, dev), orth=orth, train_alpha=train_alpha,
-                     train_beta=train_beta, cayley_mode=cayley_mode, terms=terms)
+                     train_beta=train_beta, cayley_mode=cayley_mode, terms=terms, eps=eps)
         self.psoft[name] = core
         self.psoft_dropout[name] = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         cfg = dict(config or {})
         cfg.update({"r": int(A.shape[0]), "orth": orth, "train_alpha": train_alpha, "train_beta": train_beta,
-                    "cayley": cayley_mode, "neumann_terms": terms, "dropout": float(dropout)})
+                    "cayley": cayley_mode, "neumann_terms": terms, "neumann_eps": eps, "dropout": float(dropout)})
         self.adapter_config[name] = cfg
         return core
 
@@ -635,7 +653,7 @@ def adapt(model: nn.Module, config: PSOFTConfig | None = None, target: Selector 
                 replace_module(model, lname, layer)
             layer.add_adapter(name, A, B, orth=config.orth, train_alpha=config.train_alpha,
                               train_beta=config.train_beta, cayley_mode=config.cayley, terms=config.neumann_terms,
-                              dropout=config.dropout, config={"method": "psoft",
+                              eps=config.neumann_eps, dropout=config.dropout, config={"method": "psoft",
                                                               "singular_values_on": config.singular_values_on})
             layer.set_active(name)
         for _, layer in psoft_layers(model):
@@ -862,10 +880,13 @@ def load_adapter(model: nn.Module, directory: str | Path, name: str = "default",
             if not 0.0 <= dropout < 1.0:
                 raise ArtifactError(f"{path}: dropout {dropout!r} of module {m!r} is outside [0, 1)")
             extra = {k: v for k, v in cfg.items() if k in ("method", "singular_values_on")}
+            eps = cfg.get("neumann_eps")
+            if eps is not None and (not isinstance(eps, (int, float)) or not 0.0 < float(eps) < 1.0):
+                raise ArtifactError(f"{path}: neumann_eps {eps!r} of module {m!r} is outside (0, 1)")
             core = layer.add_adapter(name, tensors[f"{m}.psoft_A"], tensors[f"{m}.psoft_B"], orth=cfg["orth"],
                                      train_alpha=bool(cfg.get("train_alpha")), train_beta=bool(cfg.get("train_beta")),
-                                     cayley_mode=cfg["cayley"], terms=cfg["neumann_terms"], dropout=dropout,
-                                     config=extra)
+                                     cayley_mode=cfg["cayley"], terms=cfg["neumann_terms"], eps=eps,
+                                     dropout=dropout, config=extra)
             with torch.no_grad():
                 for k in _PARAM_KEYS:
                     p = getattr(core, k)
