@@ -384,3 +384,16 @@ def test_ridge_trains_from_peft_zero_init():
         losses.append(loss.item())
     assert losses[-1] < losses[0]
     assert float(model[0].lora_B["default"].weight.detach().abs().sum()) > 0.0
+
+
+def test_add_param_group_other_only():
+    model = _toy()
+    opt = AdamS(model, lr=1e-3)
+    extra = nn.Parameter(torch.ones(3, dtype=D64))
+    opt.add_param_group({"params": [extra]})
+    extra.grad = torch.ones(3, dtype=D64)
+    opt.step()
+    assert not torch.equal(extra, torch.ones(3, dtype=D64))
+    with pytest.raises(ValueError, match="fixed at construction"):
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(2, 6)), nn.Parameter(torch.zeros(8, 2))],
+                             "kind": "lora"})

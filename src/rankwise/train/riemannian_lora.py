@@ -430,6 +430,7 @@ class _LiftedOptimizer(torch.optim.Optimizer):
         self.skipped: list[tuple[int, str, str]] = []  # (step, pair, reason)
         self._warned: set[str] = set()
         super().__init__(groups, defaults)
+        self._frozen_pairs = True
         self.capture = GradXCapture(pairs) if capture else None
         self._manual: dict[int, torch.Tensor] = {}
 
@@ -442,6 +443,9 @@ class _LiftedOptimizer(torch.optim.Optimizer):
             _positive(f"param group {len(self.param_groups) - 1}: lr", float(lr) if isinstance(lr, torch.Tensor) else lr)
             if g["kind"] not in ("lora", "other"):
                 raise ValueError(f"param group kind={g['kind']!r} must be 'lora' or 'other'")
+            if g["kind"] == "lora" and getattr(self, "_frozen_pairs", False):
+                raise ValueError("LoRA pair groups are fixed at construction (they carry G_X hooks); build a new "
+                                 "optimizer to add pairs, or add non-LoRA parameters with kind='other'")
             if g["kind"] == "lora" and len(g["params"]) != 2:
                 raise ValueError(f"a LoRA group must hold exactly [lora_A, lora_B], got {len(g['params'])} tensors")
             self._validate_group(g)
@@ -553,7 +557,7 @@ class _LiftedOptimizer(torch.optim.Optimizer):
                 continue
             st = self.state[p]
             st["step"] = int(st.get("step", 0)) + 1
-            if group["weight_decay"]:
+            if group.get("weight_decay", 0.0):
                 p.mul_(1.0 - float(group["lr"]) * group["weight_decay"])
             LowMemOptimizer._adamw_step(self, p, p.grad, st, g)  # type: ignore[arg-type]
 
