@@ -1319,14 +1319,17 @@ def compress(
                                   seconds=time.perf_counter() - t0)
                 report.seconds_calibration += cal.seconds
             ledger.set("statistics", _stats_bytes({n: cal.stats[n] for n in names}))
-            method.cache = cal.cache.setdefault(f"{method.name}:{id(method.__class__)}", {})
+            # memos only pay off when the caller reuses the Calibration (several ratios / methods)
+            reuse = calibration is not None
+            method.cache = cal.cache.setdefault(f"{method.name}:{id(method.__class__)}", {}) if reuse else None
             energy = None
             if cfg.allocation == "dynamic":
                 energy = {n: _energy(n, model.get_submodule(n), cal.stats[n]) for n in names}
             ranks = allocate_ranks(cfg, method, shapes, influence=cal.influence, energy=energy,
                                    block_path=found[0] if found else None, n_blocks=len(found[1]) if found else 0)
             bar = _Bar(progress, f"compressing ({method.name})", len(names))
-            fitter = _Fitter(model, method, cfg, ranks, report, bar, err_cache=cal.cache.setdefault("_errors", {}))
+            fitter = _Fitter(model, method, cfg, ranks, report, bar,
+                             err_cache=cal.cache.setdefault("_errors", {}) if reuse else None)
             try:
                 for n in names:
                     fitter.fit(n, cal.stats[n])
@@ -1336,7 +1339,7 @@ def compress(
         else:
             assert found is not None
             path, blist = found
-            method.cache = {}
+            method.cache = None  # block by block: nothing to reuse, keep memory at one block
             t0 = time.perf_counter()
             calls = _capture_calls(model, blist[0], batches, forward, mask, progress)
             report.seconds_calibration += time.perf_counter() - t0
@@ -1460,7 +1463,7 @@ def compress_checkpoint(
         ranks = allocate_ranks(cfg, method, shapes, influence=influence, energy=energy, block_path=path,
                                n_blocks=len(blist))
         state["write"] = True
-        method.cache = {}
+        method.cache = None
         bar = _Bar(progress, f"compressing ({method.name}, checkpoint)", len(names))
         fitter = _Fitter(model, method, cfg, ranks, report, bar)
         try:

@@ -1,0 +1,255 @@
+"""Compression benchmarks: Swift-SVD vs SVD-LLM(W) decomposition time, calibration memory, block vs whole.
+
+Cases (``python -m benchmarks.run compress``; JSON in ``benchmarks/results/compress.json``):
+
+``decompose_minilm_block_{f64,f32}``
+    Decomposition of the six linears of one all-MiniLM-L6-v2 block (4 x 384x384, 1536x384, 384x1536) from
+    accumulated statistics (synthetic calibration, 2048 tokens), at the uniform rank of rho = 0.4:
+    Swift-SVD (one ``eigh`` of the m x m output covariance + ``B = V_k^T W``) against SVD-LLM(W) (damped
+    Cholesky of the n x n input covariance + SVD of ``W S`` + triangular solve). Anchor: SVD-LLM(W), so
+    ``ratio_vs_anchor = t_Swift / t_SVD-LLM``.
+``decompose_4096x4096_f32`` (and, with ``RANKWISE_BENCH_LLM=1``, ``4096x4096_f64``, ``11008x4096`` and
+``4096x11008`` in float32 and float64)
+    The same at LLM shapes (Llama-7B attention / MLP; out x in), synthetic calibration with n + 512 tokens.
+    Swift-SVD's cost is one eigh of the *output* dimension: cheaper than SVD-LLM(W) when out <= in, dearer
+    for the 11008-wide up/gate projections.
+``calibration_memory_8_vs_32_batches``
+    Peak memory of collecting Swift-SVD's statistics on MiniLM from 8 and from 32 batches (16 sentences
+    each): the accumulators do not grow with the data (time grows, memory does not).
+``block_vs_whole_minilm``
+    Compressing MiniLM from its checkpoint directory: load the model, ``compress(mode="whole")`` and save,
+    against ``compress_checkpoint`` (block by block, weights read from the safetensors file when needed).
+    Peak memory above the interpreter baseline, each in a fresh process.
+
+``python -m benchmarks.bench_compress`` runs the cases and then checks that the block and whole modes give
+identical results on MiniLM (ranks, errors, weights, outputs) and reports the explicit tensor-memory ledger of
+both (bytes held by parameters, statistics and cached activations), written to
+``benchmarks/results/compress_verify.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import transformers
+from transformers import BertModel  # noqa: F401  (the modelling code's memory belongs to every case's baseline)
+
+from benchmarks.harness import Case
+from rankwise.compress import CompressConfig, compress, compress_checkpoint, save_compressed, uniform_rank
+from rankwise.compress.svd_baselines import svd_llm_factors
+from rankwise.compress.swift_svd import swift_svd_factors
+
+RHO = 0.4
+MINILM_BLOCK = [(384, 384)] * 4 + [(1536, 384), (384, 1536)]
+LLM = os.environ.get("RANKWISE_BENCH_LLM", "").strip() not in ("", "0", "false", "no")
+#: Threads of every timed call (default 1: on a shared 2-core machine, multi-threaded LAPACK under
+#: oversubscription is erratic; both implementations of a case always get the same count).
+THREADS = int(os.environ.get("RANKWISE_BENCH_THREADS", "1"))
+
+
+def _threads(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """``fn`` run with :data:`THREADS` torch threads (the caller's setting is restored after each call)."""
+    def run() -> Any:
+        before = torch.get_num_threads()
+        torch.set_num_threads(THREADS)
+        try:
+            return fn()
+        finally:
+            torch.set_num_threads(before)
+    run.__dict__.update(getattr(fn, "__dict__", {}))
+    return run
+
+
+# ----------------------------------------------------------------------------------------------
+# decomposition from accumulated statistics
+
+
+def _stats(m: int, n: int, tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A weight ``W`` (m x n), ``H = X^T X`` and ``C = W H W^T`` from synthetic correlated inputs (float64)."""
+    g = torch.Generator().manual_seed(seed)
+    W = torch.randn(m, n, generator=g, dtype=torch.float64) / n ** 0.5
+    scales = torch.logspace(0, -3, n, dtype=torch.float64)  # a decaying activation spectrum
+    X = torch.randn(tokens, n, generator=g, dtype=torch.float64) * scales
+    X = X @ torch.randn(n, n, generator=g, dtype=torch.float64) / n ** 0.5
+    H = X.mT @ X
+    del X
+    C = W @ H @ W.mT
+    return W, H, C
+
+
+def _decompose(shapes: list[tuple[int, int]], tokens: int, dtype: torch.dtype, which: str) -> Callable[[], Callable]:
+    def factory() -> Callable[[], Any]:
+        layers = [_stats(m, n, tokens if tokens else n + 512, seed=i) for i, (m, n) in enumerate(shapes)]
+        layers = [(W.to(dtype), H, C) for W, H, C in layers]
+        ranks = [uniform_rank(m, n, RHO) for m, n in shapes]
+
+        if which == "swift-svd":
+            def run() -> None:
+                for (W, _, C), k in zip(layers, ranks):
+                    swift_svd_factors(W, C.to(dtype), k, dtype=dtype)
+        else:
+            def run() -> None:
+                for (W, H, _), k in zip(layers, ranks):
+                    svd_llm_factors(W, H.to(dtype), k, dtype=dtype)
+        return _threads(run)
+    return factory
+
+
+def _decomp_case(name: str, shapes: list[tuple[int, int]], dtype: torch.dtype, tokens: int, repeats: int,
+                 warmup: int) -> Case:
+    return Case(name, impls={"swift-svd": _decompose(shapes, tokens, dtype, "swift-svd"),
+                             "svd-llm(w)": _decompose(shapes, tokens, dtype, "svd-llm")},
+                anchor="svd-llm(w)", repeats=repeats, warmup=warmup,
+                params={"shapes_out_x_in": shapes, "dtype": str(dtype).replace("torch.", ""), "rho": RHO,
+                        "tokens": tokens or "n + 512", "note": "ratio_vs_anchor = t_Swift / t_SVD-LLM(W)"})
+
+
+# ----------------------------------------------------------------------------------------------
+# MiniLM cases
+
+
+def _sentences(n: int, split: str = "train") -> list[str]:
+    from rankwise.compress.command import docstring_sentences
+
+    pool = [s for ss in docstring_sentences(split) for s in ss]
+    return pool[:n]
+
+
+def _minilm_batches(n_batches: int, per_batch: int = 16) -> tuple[Any, list[dict[str, torch.Tensor]]]:
+    from rankwise import zoo
+    from rankwise.compress.command import tokenize_batches
+
+    model, tok = zoo.minilm()
+    texts = _sentences(n_batches * per_batch)
+    return model, tokenize_batches(tok, texts, per_batch, 64)
+
+
+def _calibration(n_batches: int) -> Callable[[], Callable]:
+    def factory() -> Callable[[], Any]:
+        from rankwise.compress import SwiftSVDConfig, calibrate
+
+        model, batches = _minilm_batches(n_batches)
+        return _threads(lambda: calibrate(model, batches, SwiftSVDConfig(allocation="uniform")))
+    return factory
+
+
+def _block_vs_whole(which: str, cfg: CompressConfig | None = None) -> Callable[[], Callable]:
+    def factory() -> Callable[[], Any]:
+        from rankwise import zoo
+        from rankwise.compress.command import tokenize_batches
+
+        path = zoo.minilm_path()
+        tok = transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)  # not the model
+        batches = tokenize_batches(tok, _sentences(64, "calib"), 16, 64)
+        config = cfg or CompressConfig(method="swift-svd", ratio=RHO)
+        out = Path(tempfile.mkdtemp(prefix="rankwise-bench-"))
+
+        if which == "whole":
+            def run() -> Any:
+                model = BertModel.from_pretrained(str(path), local_files_only=True).eval()
+                rep = compress(model, config, calib=batches, mode="whole")
+                save_compressed(model, out / "whole", rep, overwrite=True)
+                return rep
+        else:
+            def run() -> Any:
+                return compress_checkpoint(path, config, batches, out / "blocks", overwrite=True)
+        run.out = out  # type: ignore[attr-defined]
+        return _threads(run)
+    return factory
+
+
+CASES = [
+    _decomp_case("decompose_minilm_block_f64", MINILM_BLOCK, torch.float64, 2048, repeats=5, warmup=1),
+    _decomp_case("decompose_minilm_block_f32", MINILM_BLOCK, torch.float32, 2048, repeats=5, warmup=1),
+    _decomp_case("decompose_4096x4096_f32", [(4096, 4096)], torch.float32, 0, repeats=1, warmup=0),
+    Case("calibration_memory_8_vs_32_batches", impls={"8 batches": _calibration(8), "32 batches": _calibration(32)},
+         anchor="8 batches", repeats=2, warmup=0,
+         params={"model": "all-MiniLM-L6-v2", "sentences_per_batch": 16, "method": "swift-svd",
+                 "note": "peak memory should not depend on the number of batches; time should scale with it"}),
+    Case("block_vs_whole_minilm", impls={"whole": _block_vs_whole("whole"), "blocks": _block_vs_whole("blocks")},
+         anchor="whole", repeats=1, warmup=0,
+         params={"model": "all-MiniLM-L6-v2", "method": "swift-svd", "rho": RHO, "calibration_sentences": 64,
+                 "whole": "from_pretrained + compress(mode='whole') + save_compressed",
+                 "blocks": "compress_checkpoint (one block's weights in memory at a time)"}),
+]
+if LLM:
+    CASES += [
+        _decomp_case("decompose_4096x4096_f64", [(4096, 4096)], torch.float64, 0, repeats=1, warmup=0),
+        _decomp_case("decompose_11008x4096_f32", [(11008, 4096)], torch.float32, 0, repeats=1, warmup=0),
+        _decomp_case("decompose_11008x4096_f64", [(11008, 4096)], torch.float64, 0, repeats=1, warmup=0),
+        _decomp_case("decompose_4096x11008_f32", [(4096, 11008)], torch.float32, 0, repeats=1, warmup=0),
+        _decomp_case("decompose_4096x11008_f64", [(4096, 11008)], torch.float64, 0, repeats=1, warmup=0),
+    ]
+
+
+# ----------------------------------------------------------------------------------------------
+# identical results + explicit tensor ledger
+
+
+def verify_block_vs_whole() -> dict[str, Any]:
+    """Run both modes on MiniLM once; check identical ranks, errors, weights and outputs; return the ledgers."""
+    from rankwise import zoo
+    from rankwise.compress import load_compressed
+    from rankwise.compress.command import tokenize_batches
+
+    whole_run = _block_vs_whole("whole")()
+    blocks_run = _block_vs_whole("blocks")()
+    rw, rb = whole_run(), blocks_run()
+    mw = load_compressed(whole_run.out / "whole")
+    mb = load_compressed(blocks_run.out / "blocks")
+    sw, sb = mw.state_dict(), mb.state_dict()
+    same_weights = list(sw) == list(sb) and all(torch.equal(sw[k], sb[k]) for k in sw)
+    tok = zoo.minilm()[1]
+    evals = tokenize_batches(tok, _sentences(64, "eval"), 32, 64)
+    with torch.no_grad():
+        same_out = all(torch.equal(mw(**b).last_hidden_state, mb(**b).last_hidden_state) for b in evals)
+    res = {
+        "identical_ranks": rw.ranks == rb.ranks,
+        "identical_errors": rw.layer_errors == rb.layer_errors,
+        "identical_weights": same_weights,
+        "identical_outputs": same_out,
+        "fingerprints_equal": rw.extra["base_fingerprint"] == rb.extra["base_fingerprint"],
+        "ledger_whole": rw.extra["memory"],
+        "ledger_blocks": rb.extra["memory"],
+        "ledger_ratio_blocks_over_whole": rb.extra["memory"]["peak_tensor_bytes"] / rw.extra["memory"]["peak_tensor_bytes"],
+    }
+    for r in (whole_run, blocks_run):
+        shutil.rmtree(r.out, ignore_errors=True)
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    from benchmarks.harness import run_module
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--verify-only" not in argv:
+        run_module("compress", memory="--no-memory" not in argv)
+    res = verify_block_vs_whole()
+    mib = lambda b: b / 2 ** 20  # noqa: E731
+    print("\nblock vs whole on all-MiniLM-L6-v2 (swift-svd, rho 0.4, 64 calibration sentences):")
+    for k in ("identical_ranks", "identical_errors", "identical_weights", "identical_outputs", "fingerprints_equal"):
+        print(f"  {k:<22} {res[k]}")
+    print(f"  tensor ledger peak     whole {mib(res['ledger_whole']['peak_tensor_bytes']):.1f} MiB "
+          f"{ {k: round(mib(v), 1) for k, v in res['ledger_whole']['at_peak'].items()} }")
+    print(f"                         blocks {mib(res['ledger_blocks']['peak_tensor_bytes']):.1f} MiB "
+          f"{ {k: round(mib(v), 1) for k, v in res['ledger_blocks']['at_peak'].items()} }")
+    print(f"  ratio blocks / whole   {res['ledger_ratio_blocks_over_whole']:.3f}")
+    out = Path(__file__).resolve().parent / "results"
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / "compress_verify.json.tmp"
+    tmp.write_text(json.dumps(res, indent=2))
+    os.replace(tmp, out / "compress_verify.json")
+    print(f"wrote {out / 'compress_verify.json'}")
+    return 0 if all(res[k] for k in ("identical_ranks", "identical_errors", "identical_weights",
+                                      "identical_outputs")) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
