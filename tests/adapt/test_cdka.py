@@ -389,3 +389,54 @@ def test_registered():
 
     entry = get("cdka")
     assert entry.config is cdka.CDKAConfig and entry.entry is cdka.adapt
+
+
+# ------------------------------------------------------------------------------------------------
+# the reproduction's baselines at equal budget
+# ------------------------------------------------------------------------------------------------
+
+def test_lokr_budget_candidates_count_what_peft_builds():
+    from peft import LoKrConfig, inject_adapter_in_model
+
+    from rankwise.repro.cdka import lokr_candidates
+
+    d, budget = 48, 4 * 96
+    cands = lokr_candidates(d, budget, 0.25)
+    assert cands
+    for f, r, p in cands:
+        model = inject_adapter_in_model(LoKrConfig(r=r, alpha=r, decompose_factor=f, target_modules=["0"]),
+                                        nn.Sequential(nn.Linear(d, d)))
+        assert sum(q.numel() for q in model.parameters() if q.requires_grad) == p
+        assert abs(p - budget) <= 0.25 * budget
+
+
+def test_lokr_alignment_is_bounded_by_the_unconstrained_kronecker_energy():
+    from rankwise.repro.cdka import lokr_alignment
+
+    G = torch.randn(24, 24, generator=torch.Generator().manual_seed(8), dtype=torch.float64)
+    r1, r2 = 6, 4  # W1 (4, 4), W2 (6, 6)
+    full = cdka.alignment(G, r1, r2, 1)
+    assert lokr_alignment(G, r1, r2, None) == pytest.approx(full, rel=1e-12)
+    values = [lokr_alignment(G, r1, r2, k) for k in (1, 2, 3, 6)]
+    assert all(v <= full + 1e-12 for v in values)
+    assert all(b >= a - 1e-9 for a, b in zip(values, values[1:]))
+    assert values[-1] == pytest.approx(full, rel=1e-9)
+    # an exactly representable gradient is captured completely
+    W1 = torch.randn(4, 4, dtype=torch.float64)
+    W2 = torch.outer(torch.randn(6, dtype=torch.float64), torch.randn(6, dtype=torch.float64))
+    assert lokr_alignment(torch.kron(W1, W2), r1, r2, 1) == pytest.approx(1.0, abs=1e-9)
+
+
+def test_negation_task_is_balanced_disjoint_and_labelled_by_the_rule():
+    from rankwise.repro.cdka import FOODS, NEGATIVE, negation_task
+
+    train, test = negation_task(3, 200, 100)
+    assert len(train) == 200 and len(test) == 100
+    assert not {t for t, _ in train} & {t for t, _ in test}
+    assert [sum(y == k for _, y in train) for k in range(4)] == [50] * 4
+    for text, y in train[:50]:
+        topic = int(any(text.startswith(s + " ") for s in FOODS))
+        negated = " was not " in text
+        negative = any(f" {a} " in f" {text} " for a in NEGATIVE)
+        assert y == 2 * topic + (int(not negative) ^ int(negated))
+    assert negation_task(3, 200, 100) == (train, test)
