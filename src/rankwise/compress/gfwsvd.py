@@ -61,7 +61,7 @@ FactorKind = Literal["mff", "kfac"]
 __all__ = [
     "GFWSVDConfig", "GFWSVDMethod", "KroneckerFactors", "SampleFactors", "PerSampleGradientCollector",
     "explicit_fisher", "nearest_kronecker_fisher", "mff", "mff_from_gradients", "kfac_from_samples",
-    "gfwsvd_factors", "gfwsvd_objective", "predicted_loss_increase", "gfwsvd_rank",
+    "gfwsvd_factors", "gfwsvd_objective", "predicted_loss_increase", "kronecker_whiteners", "gfwsvd_rank",
     "collect_kronecker_fisher", "gfwsvd_compress", "save_factors", "load_factors",
 ]
 
@@ -416,10 +416,24 @@ def gfwsvd_objective(W: Tensor, W_r: Tensor, P: Tensor, Q: Tensor, *, damping: f
     return float(torch.linalg.matrix_norm(L_Q.mT @ dW @ L_P))
 
 
-def predicted_loss_increase(dW: Tensor, P: Tensor, Q: Tensor, *, damping: float = 1e-4) -> float:
-    """Second-order prediction ``1/2 ||L_Q^T dW L_P||_F^2 = 1/2 vec(dW)^T (P_d kron Q_d) vec(dW)``."""
-    L_P = damped_cholesky(P, damping=damping, dtype=torch.float64).L
-    L_Q = damped_cholesky(Q, damping=damping, dtype=torch.float64).L
+def kronecker_whiteners(P: Tensor, Q: Tensor, *, damping: float = 1e-4, retries: int = 5,
+                        name: str | None = None) -> tuple[Tensor, Tensor]:
+    """The damped Cholesky factors ``(L_P, L_Q)`` with ``P + lam_P I = L_P L_P^T``, ``Q + lam_Q I = L_Q L_Q^T``."""
+    return (_chol(P, damping, retries, "input-side (P)", name), _chol(Q, damping, retries, "output-side (Q)", name))
+
+
+def predicted_loss_increase(dW: Tensor, P: Tensor | None = None, Q: Tensor | None = None, *, damping: float = 1e-4,
+                            whiteners: tuple[Tensor, Tensor] | None = None) -> float:
+    """Second-order prediction ``1/2 ||L_Q^T dW L_P||_F^2 = 1/2 vec(dW)^T (P_d kron Q_d) vec(dW)``.
+
+    Give ``P`` and ``Q`` (damped Cholesky factors computed here) or ``whiteners=(L_P, L_Q)`` from
+    :func:`kronecker_whiteners` to evaluate many ``dW`` of one layer cheaply.
+    """
+    if whiteners is None:
+        if P is None or Q is None:
+            raise ValueError("give P and Q, or whiteners=(L_P, L_Q)")
+        whiteners = kronecker_whiteners(P.to(torch.float64), Q.to(torch.float64), damping=damping)
+    L_P, L_Q = whiteners
     return 0.5 * float((L_Q.mT @ dW.to(torch.float64) @ L_P).square().sum())
 
 
@@ -803,6 +817,9 @@ def _recompute(col: PerSampleGradientCollector, batches: Sequence[Any], run_kw: 
     silent = [k for k, c in counts.items() if c == 0]
     if silent:
         raise CalibrationError(f"no gradient reached {len(silent)} target layer(s): {silent[:10]}")
+    if min(counts.values()) < 2:
+        warnings.warn(f"only {min(counts.values())} calibration sample: the empirical Fisher is rank-deficient; use "
+                      "more samples", RuntimeWarning, stacklevel=3)
     if cfg.approximation == "kfac":
         res = {k: KroneckerFactors(P=kfac[k][0] / kfac[k][2], Q=kfac[k][1] / kfac[k][2], samples=counts[k], kind="kfac")
                for k in dims}
