@@ -181,6 +181,10 @@ def test_predicted_loss_increase_is_the_quadratic_form():
     Fk = torch.kron(kf.P + lam_p * torch.eye(3, dtype=D), kf.Q + lam_q * torch.eye(4, dtype=D))
     v = dW.T.reshape(-1)
     assert gf.predicted_loss_increase(dW, kf.P, kf.Q) == pytest.approx(0.5 * float(v @ Fk @ v), rel=1e-10)
+    wh = gf.kronecker_whiteners(kf.P, kf.Q)
+    assert gf.predicted_loss_increase(dW, whiteners=wh) == pytest.approx(0.5 * float(v @ Fk @ v), rel=1e-10)
+    with pytest.raises(ValueError, match="whiteners"):
+        gf.predicted_loss_increase(dW)
 
 
 def test_gfwsvd_rank():
