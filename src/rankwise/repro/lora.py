@@ -389,7 +389,7 @@ def _notes(mode: str, table: Table, per_seed: list[dict[str, Any]], info: dict[s
         f"{info['n_train']} training and {info['n_test']} test examples here). Chosen because it is learnable but "
         "not trivial for the pretrained encoder: a logistic regression on frozen mean-pooled MiniLM embeddings "
         "reaches only about 0.65 on it (chance 0.33; measured with 400 training examples), the lowest of the "
-        "zoo's tasks, so fine-tuning has room to help and differences between methods are visible.",
+        "seven zoo tasks measured, so fine-tuning has room to help and differences between methods are visible.",
         f"Mean test accuracy: " + ", ".join(f"{r} {a:.3f}" for r, a in acc.items()) + ".",
         "rankwise and PEFT compute the same thing in the same order (base output, then B(A(dropout(x))) * s "
         "added), so with the same factors, batches and per-step dropout seeds their logits and losses should "
@@ -403,10 +403,13 @@ def _notes(mode: str, table: Table, per_seed: list[dict[str, Any]], info: dict[s
     ]
     if mode == "smoke":
         lines.append("Smoke mode: 3 steps on a tiny subset; it checks the wiring and its verdict means nothing "
-                     "(claims (d) and (f) in particular cannot hold after 3 steps).")
+                     "(claim (f), that LoRA learned the task, cannot hold after 3 steps).")
     elif mode == "quick":
         lines.append("Quick mode trains two epochs on 240 examples (60 steps of 8) with inputs cut at 32 tokens "
                      "(the median length) and tests on 120 examples: enough to separate the methods from chance, "
                      "too little to rank full fine-tuning and LoRA finely; full mode (600 examples, 150 steps, "
                      "64 tokens, the whole test set, a frozen-encoder baseline) is the better estimate for (d).")
+    else:
+        lines.append("The head-only row trains just the classification head (the encoder frozen) on the same batches "
+                     "with the LoRA learning rate; it shows how much of the accuracy comes from adapting the encoder.")
     return "\n".join(lines)
