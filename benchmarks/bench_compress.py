@@ -13,8 +13,8 @@ Cases (``python -m benchmarks.run compress``; JSON in ``benchmarks/results/compr
     The same at LLM shapes (Llama-7B attention / MLP; out x in), synthetic calibration with n + 512 tokens.
     Swift-SVD's cost is one eigh of the *output* dimension: cheaper than SVD-LLM(W) when out <= in, dearer
     for the 11008-wide up/gate projections.
-``calibration_memory_8_vs_32_batches``
-    Peak memory of collecting Swift-SVD's statistics on MiniLM from 8 and from 32 batches (16 sentences
+``calibration_memory_4_vs_16_batches``
+    Peak memory of collecting Swift-SVD's statistics on MiniLM from 4 and from 16 batches (8 sentences
     each): the accumulators do not grow with the data (time grows, memory does not).
 ``block_vs_whole_minilm``
     Compressing MiniLM from its checkpoint directory: load the model, ``compress(mode="whole")`` and save,
@@ -30,7 +30,7 @@ fork time), written to ``benchmarks/results/compress_verify.json``.
 Measured on the shared 2-core development machine (one thread): identical ranks, errors, weights and outputs;
 tensor ledger at the peak: whole 370 MiB (parameters 87 + statistics 284), blocks 60 MiB (parameters 7,
 statistics 47, activations 6), ratio 0.16; peak RSS above the post-import baseline: whole +520 MiB, blocks
-+315 MiB (ratio 0.61), 8 vs 32 calibration batches +487 / +479 MiB. The RSS ratio stays above one half on
++315 MiB (ratio 0.61), 8 vs 32 calibration batches of 16 sentences +487 / +479 MiB. The RSS ratio stays above one half on
 MiniLM because both modes pay the same fixed cost of roughly 150-250 MiB that does not grow with the depth:
 the float64 work buffers of the widest layer (the 1536 x 1536 output covariance of an FFN-input layer, its
 symmetrised copy, ``eigh``'s workspace and eigenvectors; the per-batch float64 token matrices of the
@@ -88,22 +88,27 @@ def _threads(fn: Callable[[], Any]) -> Callable[[], Any]:
 # decomposition from accumulated statistics
 
 
-def _stats(m: int, n: int, tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A weight ``W`` (m x n), ``H = X^T X`` and ``C = W H W^T`` from synthetic correlated inputs (float64)."""
+def _stats(m: int, n: int, tokens: int, seed: int, dtype: torch.dtype = torch.float64
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A weight ``W`` (m x n), ``H = X^T X`` and ``C = W H W^T`` from synthetic correlated inputs.
+
+    Generated in ``dtype`` (float32 for the float32 cases: half the set-up time), returned in float64 as
+    the streamed statistics would be.
+    """
     g = torch.Generator().manual_seed(seed)
-    W = torch.randn(m, n, generator=g, dtype=torch.float64) / n ** 0.5
-    scales = torch.logspace(0, -3, n, dtype=torch.float64)  # a decaying activation spectrum
-    X = torch.randn(tokens, n, generator=g, dtype=torch.float64) * scales
-    X = X @ torch.randn(n, n, generator=g, dtype=torch.float64) / n ** 0.5
+    W = torch.randn(m, n, generator=g, dtype=dtype) / n ** 0.5
+    scales = torch.logspace(0, -3, n, dtype=dtype)  # a decaying activation spectrum
+    X = torch.randn(tokens, n, generator=g, dtype=dtype) * scales
+    X = X @ (torch.randn(n, n, generator=g, dtype=dtype) / n ** 0.5)
     H = X.mT @ X
     del X
     C = W @ H @ W.mT
-    return W, H, C
+    return W.double(), H.double(), C.double()
 
 
 def _decompose(shapes: list[tuple[int, int]], tokens: int, dtype: torch.dtype, which: str) -> Callable[[], Callable]:
     def factory() -> Callable[[], Any]:
-        layers = [_stats(m, n, tokens if tokens else n + 512, seed=i) for i, (m, n) in enumerate(shapes)]
+        layers = [_stats(m, n, tokens if tokens else n + 512, seed=i, dtype=dtype) for i, (m, n) in enumerate(shapes)]
         layers = [(W.to(dtype), H, C) for W, H, C in layers]
         ranks = [uniform_rank(m, n, RHO) for m, n in shapes]
 
@@ -139,7 +144,7 @@ def _sentences(n: int, split: str = "train") -> list[str]:
     return pool[:n]
 
 
-def _minilm_batches(n_batches: int, per_batch: int = 16) -> tuple[Any, list[dict[str, torch.Tensor]]]:
+def _minilm_batches(n_batches: int, per_batch: int = 8) -> tuple[Any, list[dict[str, torch.Tensor]]]:
     from rankwise import zoo
     from rankwise.compress.command import tokenize_batches
 
@@ -186,9 +191,9 @@ CASES = [
     _decomp_case("decompose_minilm_block_f64", MINILM_BLOCK, torch.float64, 2048, repeats=5, warmup=1),
     _decomp_case("decompose_minilm_block_f32", MINILM_BLOCK, torch.float32, 2048, repeats=5, warmup=1),
     _decomp_case("decompose_4096x4096_f32", [(4096, 4096)], torch.float32, 0, repeats=1, warmup=0),
-    Case("calibration_memory_8_vs_32_batches", impls={"8 batches": _calibration(8), "32 batches": _calibration(32)},
-         anchor="8 batches", repeats=2, warmup=0,
-         params={"model": "all-MiniLM-L6-v2", "sentences_per_batch": 16, "method": "swift-svd",
+    Case("calibration_memory_4_vs_16_batches", impls={"4 batches": _calibration(4), "16 batches": _calibration(16)},
+         anchor="4 batches", repeats=2, warmup=0,
+         params={"model": "all-MiniLM-L6-v2", "sentences_per_batch": 8, "method": "swift-svd",
                  "note": "peak memory should not depend on the number of batches; time should scale with it"}),
     Case("block_vs_whole_minilm", impls={"whole": _block_vs_whole("whole"), "blocks": _block_vs_whole("blocks")},
          anchor="whole", repeats=1, warmup=0,
@@ -288,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         run_module("compress", memory="--no-memory" not in argv)
     res = verify_block_vs_whole()
     res["peak_rss"] = {f"{case}/{impl}": _rss_in_subprocess(case, impl)
-                       for case, impls in (("calibration_memory_8_vs_32_batches", ("8 batches", "32 batches")),
+                       for case, impls in (("calibration_memory_4_vs_16_batches", ("4 batches", "16 batches")),
                                            ("block_vs_whole_minilm", ("whole", "blocks")))
                        for impl in impls}
     mib = lambda b: b / 2 ** 20  # noqa: E731
