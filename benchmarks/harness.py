@@ -9,7 +9,7 @@ names two or more implementations (e.g. ``"rankwise"`` and ``"peft"``), each a z
   alike; it reports the median, the interquartile range and the ratio of medians against the
   case's anchor (``ratio = t_impl / t_anchor``; < 1 means faster than the anchor);
 * measures peak memory of each implementation in a fresh subprocess: the peak resident set size
-  (``ru_maxrss``) while building and running it, minus the resident size after imports, so that
+  (``VmHWM``) while building and running it, minus the resident size after imports, so that
   one implementation's allocations cannot hide another's;
 * writes everything as JSON (``benchmarks/results/<name>.json`` by default).
 
@@ -91,6 +91,20 @@ def _rss_kib() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
+def _peak_rss_kib() -> int:
+    # Peak resident set size of this process (Linux VmHWM, per address space, so it is reset by
+    # exec). ru_maxrss is not: it carries the parent's peak across fork+exec, which made every
+    # implementation of a case report the parent's footprint.
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except OSError:  # pragma: no cover - non-Linux
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
 def _memory_child(module: str, case_name: str, impl: str, calls: int) -> dict[str, Any]:
     mod = importlib.import_module(module)
     case = next(c for c in mod.CASES if c.name == case_name)
@@ -99,7 +113,7 @@ def _memory_child(module: str, case_name: str, impl: str, calls: int) -> dict[st
     fn = case.impls[impl]()
     for _ in range(max(1, calls)):
         fn()
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    peak = _peak_rss_kib()
     return {"peak_rss_mib": peak / 1024, "peak_above_baseline_mib": max(0, peak - base) / 1024,
             "baseline_rss_mib": base / 1024}
 
