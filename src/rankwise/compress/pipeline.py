@@ -63,7 +63,6 @@ from rankwise.compress.base import (
     LayerReport,
     PairedStats,
     check_ratio,
-    relative_output_error,
     resolve_layer_method,
     uniform_rank,
 )
@@ -72,7 +71,7 @@ from rankwise.core.io import model_fingerprint
 from rankwise.core.layers import LowRankLinear, validate_rank
 from rankwise.core.linalg import LowRankFactors
 from rankwise.core.select import Selector, select
-from rankwise.core.stats import GRAD_KINDS, KINDS, CalibrationError, LayerStats, StatsCollector, default_forward
+from rankwise.core.stats import KINDS, CalibrationError, LayerStats, StatsCollector, default_forward
 from rankwise.core.surgery import count_parameters, replace_module, transaction
 
 log = logging.getLogger(__name__)

@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Literal, Mapping, Sequence
 
 import torch

@@ -325,14 +325,15 @@ def _figures(out_dir: Path, names: Sequence[str], layer_err: dict, cos: dict, ro
     x = list(range(len(names)))
     for row in rows:
         errs = layer_err[(row, rho, seed)]
-        ax.plot(x, [max(errs[n], 1e-12) for n in names], marker="o", ms=3, lw=1, label=LABEL[row])
+        style = dict(ls="--", marker="s", ms=6, mfc="none", lw=1.5) if row == "svd-llm" else dict(marker="o", ms=3, lw=1)
+        ax.plot(x, [max(errs[n], 1e-12) for n in names], label=LABEL[row], **style)
     ax.set_yscale("log")
     ax.set_xticks(x)
     ax.set_xticklabels([n.replace("encoder.layer.", "L").replace("attention.self.", "").replace("attention.output.dense",
                         "attn_out").replace(".dense", "") for n in names], rotation=90, fontsize=6)
     ax.set_ylabel("relative output error e (calibration)")
-    ax.set_title(f"Per-layer error, rho = {rho}, seed {seed}")
-    ax.legend(fontsize=7)
+    ax.set_title(f"Per-layer error, rho = {rho}, seed {seed} (Swift-SVD and SVD-LLM(W) coincide)")
+    ax.legend(fontsize=7, ncol=len(rows), loc="upper center", bbox_to_anchor=(0.5, -0.32), frameon=False)
     fig.tight_layout()
     f1 = "layer_errors.png"
     fig.savefig(out_dir / f1, dpi=110)
