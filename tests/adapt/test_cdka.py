@@ -297,7 +297,8 @@ def test_config_validation(kwargs, match):
 def test_r1_not_dividing_d_out_names_layer_and_divisors_and_keeps_model():
     model = contract.tiny_model("mlp")
     snap = _snapshot(model)
-    with pytest.raises(ValueError, match=r"r1=5 does not divide d_out=32 for layer '0'.*valid r1: \[1, 2, 4, 8, 16, 32\]"):
+    msg = r"r1=5 does not divide d_out=32 for layer '0'.*valid r1: \[1, 2, 4, 8, 16, 32\]"
+    with pytest.raises(ValueError, match=msg):
         cdka.adapt(model, cdka.CDKAConfig(config_mode="fixed", r1=5, r2=1, r=1, init="zero"), target=nn.Linear)
     _assert_unchanged(model, snap)
     with pytest.raises(ValueError, match=r"r2=3 does not divide d_in=16"):
@@ -310,7 +311,8 @@ def test_budget_below_the_cheapest_configuration_reports_the_minimum():
     snap = _snapshot(model)
     cheapest = min(cdka.num_parameters(32, 16, a, b, 1) for a in cdka.divisors(32) for b in cdka.divisors(16))
     calib, loss_fn = _mlp_calib()
-    with pytest.raises(ValueError, match=rf"smaller than the cheapest configuration.*minimum feasible budget is {cheapest}"):
+    msg = rf"smaller than the cheapest configuration.*minimum feasible budget is {cheapest}"
+    with pytest.raises(ValueError, match=msg):
         cdka.adapt(model, cdka.CDKAConfig(budget=3), target="0", calib=calib, loss_fn=loss_fn)
     _assert_unchanged(model, snap)
 

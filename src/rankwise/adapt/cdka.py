@@ -56,7 +56,7 @@ import contextlib
 import copy
 import math
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
@@ -289,7 +289,8 @@ def alignment_curve(G: torch.Tensor, r1: int, r2: int, max_r: int | None = None,
                     name: str | None = None) -> torch.Tensor:
     """``align(r1, r2, r)`` for ``r = 1..max_r`` (float64 vector, non-decreasing, in [0, 1]).
 
-    ``sum_{k<=r} sigma_k(R(G))^2 / ||G||_F^2`` in float64 (:func:`squared_singular_values`). ``max_r`` defaults to the rank bound ``min(m1 n1, m2 n2)``.
+    ``sum_{k<=r} sigma_k(R(G))^2 / ||G||_F^2`` in float64 (:func:`squared_singular_values`).
+    ``max_r`` defaults to the rank bound ``min(m1 n1, m2 n2)``.
     """
     what = f"layer {name!r}" if name else "CDKA alignment"
     total = _energy(G, what)
@@ -418,7 +419,9 @@ def kron_delta(B: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
 
 
 def kron_apply(B: torch.Tensor, A: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """``x @ (sum_k B_k ⊗ A_k)^T`` without forming the product: ``y_k = vec(B_k X A_k^T)``, ``X = x.reshape(r2, d_in/r2)``.
+    """``x @ (sum_k B_k ⊗ A_k)^T`` without forming the product.
+
+    ``y_k = vec(B_k X A_k^T)`` with ``X = x.reshape(r2, d_in/r2)`` (row-major).
 
     ``B (r, d_out/r1, r2)``, ``A (r, r1, d_in/r2)``, ``x (..., d_in)`` -> ``(..., d_out)``. Two batched
     matmuls: ``T = X A^T`` over all components, then ``B`` contracted over (component, r2).
@@ -798,8 +801,8 @@ def collect_gradients(model: nn.Module, layers: Sequence[tuple[str, nn.Module]],
                 break
             loss = loss_fn(model, batch)
             if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
-                raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}"
-                                f"{'' if not isinstance(loss, torch.Tensor) else ' of shape ' + str(tuple(loss.shape))}")
+                shape = f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else ""
+                raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}{shape}")
             if not bool(torch.isfinite(loss)):
                 raise NumericalError(f"calibration loss is {float(loss)} on batch {i}; alignment is undefined")
             loss.backward()

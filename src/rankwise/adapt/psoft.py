@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import math
 import re
 import warnings
 from dataclasses import dataclass
@@ -414,7 +413,7 @@ class PSOFTLinear(nn.Module):
     def add_adapter(self, name: str, A: torch.Tensor, B: torch.Tensor, *, orth: bool = True, train_alpha: bool = True,
                     train_beta: bool = True, cayley_mode: str = "neumann", terms: int = 5, eps: float | None = None,
                     dropout: float = 0.0, config: Mapping[str, Any] | None = None) -> "_Core":
-        """Create (or replace) adapter ``name`` with frozen factors ``A (r, in)``, ``B (out, r)`` (copied), core at init."""
+        """Create (or replace) adapter ``name``: frozen ``A (r, in)``, ``B (out, r)`` (copied), core at ``M = I``."""
         validate_adapter_name(name)
         if name in self.merged_adapters:
             raise RankwiseError(f"{self._where()}: adapter {name!r} is merged; unmerge before replacing it")

@@ -68,18 +68,23 @@ SETTINGS: dict[str, dict[str, Any]] = {
     "full": dict(n_train=2000, n_test=1000, top_layers=6, steps=150, batch_size=16, calib_batches=8, max_length=16),
 }
 LR_HEAD = 1e-3
-# (adapter lr, head lr) per row, chosen by lr_sweep() on a development seed (see docs/methods/cdka.md)
-# grid {1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2}, seed 100, quick settings, 400 validation sentences; best
+# (adapter lr, head lr) per row and mode, chosen by lr_sweep() on a development seed (see docs/methods/cdka.md).
+# quick: grid {1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2}, seed 100, quick settings, 400 validation sentences; best
 # validation accuracy: LoRA 0.945 @1e-3, LoKr 1.000 @1e-2, CDKA-aligned 0.968 @3e-3, CDKA-fixed 1.000 @3e-3,
-# LoRA-GA 0.968 @3e-3, head only 0.825 @3e-2 (the head's own rate)
-LRS: dict[str, tuple[float, float]] = {
-    "LoRA (PEFT)": (1e-3, LR_HEAD),
-    "LoKr (PEFT)": (1e-2, LR_HEAD),
-    "CDKA-aligned": (3e-3, LR_HEAD),
-    "CDKA-fixed (4,4,4)": (3e-3, LR_HEAD),
-    "LoRA-GA (CDKA 1,1,4)": (3e-3, LR_HEAD),
-    "head only": (3e-2, 3e-2),
+# LoRA-GA 0.968 @3e-3, head only 0.825 @3e-2 (the head's own rate).
+# full: the quick-mode rates (no separate sweep was run at the full settings; a per-mode table so one can be added).
+LRS: dict[str, dict[str, tuple[float, float]]] = {
+    "quick": {
+        "LoRA (PEFT)": (1e-3, LR_HEAD),
+        "LoKr (PEFT)": (1e-2, LR_HEAD),
+        "CDKA-aligned": (3e-3, LR_HEAD),
+        "CDKA-fixed (4,4,4)": (3e-3, LR_HEAD),
+        "LoRA-GA (CDKA 1,1,4)": (3e-3, LR_HEAD),
+        "head only": (3e-2, 3e-2),
+    },
 }
+LRS["smoke"] = LRS["quick"]
+LRS["full"] = LRS["quick"]
 TIE_TOL = 1e-9            # alignment scores within this are a floating-point tie (cdka.TIE_RTOL)
 LOKR_MARGIN = 0.05        # claim (a): mean align(CDKA) - mean align(LoKr) >= 0.05
 ACC_MARGIN_LOKR = 0.01    # claim (b): acc(CDKA) - acc(LoKr) >= 1 point
@@ -467,7 +472,7 @@ def _run_seed(seed: int, S: dict[str, Any], bert: nn.Module, tok: Any, table: Ta
     base, prefix, _, batches, _, G, names = _setup(seed, S, bert, tok, train)
     test_split = CachedSplit(prefix, test, keep_all=True)
     models, info = _build_models(base, G, names, bert.config.hidden_size, seed, S.get("rows"))
-    trainers = train_lockstep(models, batches, seed, {name: LRS[name] for name in models})
+    trainers = train_lockstep(models, batches, seed, {name: S["lrs"][name] for name in models})
     for row, model in models.items():
         acc, _ = evaluate_cached(model, test_split.hidden, test_split.mask, test_split.labels)
         table.add(row, "test accuracy", acc)
@@ -483,8 +488,9 @@ def _run_seed(seed: int, S: dict[str, Any], bert: nn.Module, tok: Any, table: Ta
 def lr_sweep(grid: Sequence[float] = (3e-4, 1e-3, 3e-3, 1e-2), seed: int = 100, mode: str = "quick",
              n_val: int = 400) -> dict[str, dict[float, float]]:
     """Validation accuracy of every row at each adapter learning rate of ``grid`` (the head stays at
-    ``LR_HEAD``; the head-only row sweeps the head's rate), on a development seed, training on the
-    first ``n_train - n_val`` training sentences and scoring the last ``n_val`` (never the test set).
+    ``LR_HEAD``; the head-only row sweeps the head's rate), on a development seed, with the settings of
+    ``mode``, training on the first ``n_train - n_val`` training sentences and scoring the last ``n_val``
+    (never the test set).
 
     How the learning rates in :data:`LRS` were chosen (once, before the reported runs; see
     docs/methods/cdka.md): every method gets the same grid and the same budget.
@@ -499,7 +505,7 @@ def lr_sweep(grid: Sequence[float] = (3e-4, 1e-3, 3e-3, 1e-2), seed: int = 100, 
     val_split = CachedSplit(prefix, val, keep_all=True)
     out: dict[str, dict[float, float]] = {}
     for lr in grid:
-        models, _ = _build_models(base, G, names, bert.config.hidden_size, seed)
+        models, _ = _build_models(base, G, names, bert.config.hidden_size, seed, S.get("rows"))
         lrs = {name: (lr, lr if name == "head only" else LR_HEAD) for name in models}
         train_lockstep(models, batches, seed, lrs)
         for row, model in models.items():
@@ -564,7 +570,7 @@ def run(mode: str, seeds: Sequence[int], out_dir: Path) -> ReproResult:
     t0 = time.perf_counter()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    S = SETTINGS[mode]
+    S = dict(SETTINGS[mode], lrs=LRS[mode])
     bert, tok = zoo.minilm()
     table = Table(columns=["test accuracy", "mean align", "trainable params / matrix", "final train loss",
                            "median step (ms)"],
@@ -577,8 +583,8 @@ def run(mode: str, seeds: Sequence[int], out_dir: Path) -> ReproResult:
     per_seed = extra["seeds"]
     min_gap_lora = min(a - b for s in per_seed.values()
                        for a, b in zip(s["align"]["CDKA-aligned"], s["align"]["LoRA (PEFT)"]))
-    gap_lokr = statistics.fmean(statistics.fmean(s["align"]["CDKA-aligned"]) - statistics.fmean(s["align"]["LoKr (PEFT)"])
-                                for s in per_seed.values())
+    gap_lokr = statistics.fmean(statistics.fmean(s["align"]["CDKA-aligned"])
+                                - statistics.fmean(s["align"]["LoKr (PEFT)"]) for s in per_seed.values())
     acc = {r: table.mean(r, "test accuracy") for r in table.rows}
     checks = [
         ClaimCheck("(a) every layer: align(CDKA-aligned) - align(LoRA r=4, same budget), minimum over layers and seeds",
@@ -597,8 +603,9 @@ def run(mode: str, seeds: Sequence[int], out_dir: Path) -> ReproResult:
     notes = (
         f"MiniLM top {S['top_layers']} layer(s) adapted (q, k, v, attention.output.dense; lower layers cached), "
         f"{S['steps']} steps of batch {S['batch_size']}, AdamW with the per-method learning rates of LRS "
-        f"(chosen by lr_sweep on a development seed), linear schedule. Budget per matrix: rank-4 LoRA = {LORA_RANK * 2 * 384} parameters (+-10 %). "
-        f"CDKA-aligned chose (r1, r2, r) in {shapes}; LoKr (PEFT) used decompose_factor={first['lokr']['decompose_factor']}, "
+        f"(chosen by lr_sweep on a development seed), linear schedule. Budget per matrix: rank-4 LoRA = "
+        f"{LORA_RANK * 2 * 384} parameters (+-10 %). CDKA-aligned chose (r1, r2, r) in {shapes}; LoKr (PEFT) used "
+        f"decompose_factor={first['lokr']['decompose_factor']}, "
         f"r={first['lokr']['r']} ({first['lokr']['params']} parameters), its best-aligned setting in the window. "
         "Gradients G come from 8 calibration batches on the unmodified model with the fresh head (eval mode). "
         "Claim (a) is a property of the design and holds by construction against LoRA; against LoKr it measures how "
@@ -606,9 +613,9 @@ def run(mode: str, seeds: Sequence[int], out_dir: Path) -> ReproResult:
         "scale (tens of steps, a 4-class synthetic task) and is expected to hold only qualitatively.")
     result = ReproResult(
         id=ID, mode=mode, seeds=seeds, claim=CLAIM, table=table, checks=checks, figures=figures, notes=notes,
-        config={"settings": S, "targets": list(TARGETS), "alpha": ALPHA, "lora_rank": LORA_RANK,
-                "lrs": {k: list(v) for k, v in LRS.items()}, "budget_per_matrix": LORA_RANK * 2 * 384,
-                "budget_tolerance": 0.10},
+        config={"settings": {k: v for k, v in S.items() if k != "lrs"}, "targets": list(TARGETS), "alpha": ALPHA,
+                "lora_rank": LORA_RANK, "lrs": {k: list(v) for k, v in LRS[mode].items()},
+                "budget_per_matrix": LORA_RANK * 2 * 384, "budget_tolerance": 0.10},
         wall_time_s=time.perf_counter() - t0, environment=environment(seeds), extra=extra)
     result.save(out_dir)
     return result

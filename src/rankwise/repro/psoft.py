@@ -15,6 +15,8 @@ Rows at (about) equal per-matrix trainable budget (head excluded; exact counts i
   does not depend on), the side-by-side twin;
 * **PSOFT Neumann t=5 (rankwise)** (full mode): the spec's default configuration, the Cayley map by
   the truncated Neumann series, which is accurate only while ``||Q|| < 1``;
+* **PSOFT orth only (rankwise)** (full mode): exact Cayley without the relaxation vectors (703), the
+  strictly orthogonal ablation;
 * **LoRA (PEFT)**: ``r=1`` (768), ``lora_alpha=2``;
 * **PiSSA (PEFT)**: ``LoraConfig(r=1, init_lora_weights="pissa")`` (768);
 * **LoRA-XS** (full mode): rankwise PSOFT with ``orth=False`` and no vectors, ``r=27`` (729);
@@ -77,22 +79,28 @@ R_LORA, ALPHA_LORA = 1, 2.0
 R_XS = 27
 OFT_BLOCK = 6
 LR_HEAD = 1e-3
-# (adapter lr, head lr) per row, chosen by lr_sweep() on a development seed (see docs/methods/psoft.md)
-# grid {1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2} (+ 1e-1 where the best was at the upper edge), seed 100, quick
-# settings, 400 validation sentences; best validation accuracy: PSOFT exact Cayley 0.990 @3e-2 (PEFT's
+# (adapter lr, head lr) per row and mode, chosen by lr_sweep() on a development seed (see docs/methods/psoft.md).
+# quick: grid {1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2} (+ 1e-1 where the best was at the upper edge), seed 100,
+# quick settings, 400 validation sentences; best validation accuracy: PSOFT exact Cayley 0.990 @3e-2 (PEFT's
 # PSOFT computes the same function and trains at the same rate), PSOFT Neumann t=5 (rankwise and PEFT alike)
 # 0.845 @1e-2, LoRA r=1 0.673 @1e-4, PiSSA 0.680 @1e-3, LoRA-XS 0.985 @3e-2, OFT 0.998 @1e-1,
-# head only 0.865 @1e-1 (grid edge; the head's own rate)
-LRS: dict[str, tuple[float, float]] = {
-    "PSOFT (rankwise)": (3e-2, LR_HEAD),
-    "PSOFT (PEFT)": (3e-2, LR_HEAD),
-    "PSOFT Neumann t=5 (rankwise)": (1e-2, LR_HEAD),
-    "LoRA (PEFT)": (1e-4, LR_HEAD),
-    "PiSSA (PEFT)": (1e-3, LR_HEAD),
-    "LoRA-XS": (3e-2, LR_HEAD),
-    "OFT (PEFT)": (1e-1, LR_HEAD),
-    "head only": (1e-1, 1e-1),
+# head only 0.865 @1e-1 (grid edge; the head's own rate).
+# full: the quick-mode rates (no separate sweep was run at the full settings; a per-mode table so one can be added).
+LRS: dict[str, dict[str, tuple[float, float]]] = {
+    "quick": {
+        "PSOFT (rankwise)": (3e-2, LR_HEAD),
+        "PSOFT (PEFT)": (3e-2, LR_HEAD),
+        "PSOFT Neumann t=5 (rankwise)": (1e-2, LR_HEAD),
+        "PSOFT orth only (rankwise)": (3e-2, LR_HEAD),
+        "LoRA (PEFT)": (1e-4, LR_HEAD),
+        "PiSSA (PEFT)": (1e-3, LR_HEAD),
+        "LoRA-XS": (3e-2, LR_HEAD),
+        "OFT (PEFT)": (1e-1, LR_HEAD),
+        "head only": (1e-1, 1e-1),
+    },
 }
+LRS["smoke"] = LRS["quick"]
+LRS["full"] = LRS["quick"]
 SETTINGS: dict[str, dict[str, Any]] = {
     "smoke": dict(n_train=96, n_test=64, n_probe=32, top_layers=1, steps=3, batch_size=16, max_length=16),
     "quick": dict(n_train=2000, n_test=1000, n_probe=300, top_layers=2, steps=60, batch_size=16, max_length=16,
@@ -177,6 +185,8 @@ def _build_models(base: TopModel, rows: Sequence[str] | None = None) -> dict[str
             r=R_PSOFT, psoft_alpha=R_PSOFT, use_cayley_neumann=False, target_modules=list(TARGETS))),
         "PSOFT Neumann t=5 (rankwise)": lambda: ours(psoft.PSOFTConfig(r=R_PSOFT, cayley="neumann",
                                                                        neumann_terms=T_NEUMANN, target=TARGETS)),
+        "PSOFT orth only (rankwise)": lambda: ours(psoft.PSOFTConfig(r=R_PSOFT, cayley="exact", train_alpha=False,
+                                                                     train_beta=False, target=TARGETS)),
         "LoRA (PEFT)": lambda: peft_inject(copy.deepcopy(base), peft.LoraConfig(
             r=R_LORA, lora_alpha=ALPHA_LORA, target_modules=list(TARGETS))),
         "PiSSA (PEFT)": lambda: peft_inject(copy.deepcopy(base), peft.LoraConfig(
@@ -234,7 +244,7 @@ def _run_seed(seed: int, S: dict[str, Any], bert: nn.Module, tok: Any, probes: l
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", UserWarning)
-        trainers = train_lockstep(models, batches, seed, {name: LRS[name] for name in models}, callback=track)
+        trainers = train_lockstep(models, batches, seed, {name: S["lrs"][name] for name in models}, callback=track)
     neumann_warnings = sum("truncated Neumann series" in str(w.message) for w in caught)
 
     n_matrices = len(psoft.psoft_layers(models["PSOFT (rankwise)"]))
@@ -250,8 +260,8 @@ def _run_seed(seed: int, S: dict[str, Any], bert: nn.Module, tok: Any, probes: l
     table.add("PSOFT (PEFT)", "final orth error", orth_curve["PEFT"][-1][1])
     if neumann in models:
         table.add(neumann, "final orth error", orth_curve["rankwise Neumann t=5"][-1][1])
-    ratios = [a / b for a, b in zip(trainers["PSOFT (rankwise)"].step_times[1:], trainers["PSOFT (PEFT)"].step_times[1:])
-              if b > 0]
+    t_rw, t_pm = trainers["PSOFT (rankwise)"].step_times[1:], trainers["PSOFT (PEFT)"].step_times[1:]
+    ratios = [a / b for a, b in zip(t_rw, t_pm) if b > 0]
     ratio = statistics.median(ratios) if ratios else float("nan")
     table.add("PSOFT (rankwise)", "step-time ratio vs PEFT PSOFT", ratio)
 
@@ -276,7 +286,7 @@ def _run_seed(seed: int, S: dict[str, Any], bert: nn.Module, tok: Any, probes: l
 def lr_sweep(grid: Sequence[float] = (3e-4, 1e-3, 3e-3, 1e-2), seed: int = 100, mode: str = "quick",
              n_val: int = 400, rows: Sequence[str] | None = None) -> dict[str, dict[float, float]]:
     """Validation accuracy of every row at each adapter learning rate of ``grid`` (head at ``LR_HEAD``;
-    the head-only row sweeps the head's rate) on a development seed: train on the first
+    the head-only row sweeps the head's rate) on a development seed with the settings of ``mode``: train on the first
     ``n_train - n_val`` training sentences, score the last ``n_val`` (never the test set). This is how
     :data:`LRS` was chosen, once, before the reported runs (docs/methods/psoft.md)."""
     from rankwise import zoo
@@ -344,7 +354,7 @@ def run(mode: str, seeds: Sequence[int], out_dir: Path) -> ReproResult:
     t0 = time.perf_counter()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    S = SETTINGS[mode]
+    S = dict(SETTINGS[mode], lrs=LRS[mode])
     bert, tok = zoo.minilm()
     probes = probe_sentences(S["n_probe"])
     table = Table(columns=["test accuracy", "semantic cosine", "trainable params / matrix", "final train loss",
@@ -391,9 +401,10 @@ def run(mode: str, seeds: Sequence[int], out_dir: Path) -> ReproResult:
         "budget. Claim (a) depends on training at small scale and is qualitative.")
     result = ReproResult(
         id=ID, mode=mode, seeds=seeds, claim=CLAIM, table=table, checks=checks, figures=figures, notes=notes,
-        config={"settings": S, "targets": list(TARGETS), "r_psoft": R_PSOFT, "neumann_terms": T_NEUMANN,
+        config={"settings": {k: v for k, v in S.items() if k != "lrs"}, "targets": list(TARGETS), "r_psoft": R_PSOFT,
+                "neumann_terms": T_NEUMANN,
                 "r_lora": R_LORA, "alpha_lora": ALPHA_LORA, "r_lora_xs": R_XS, "oft_block_size": OFT_BLOCK,
-                "lrs": {k: list(v) for k, v in LRS.items()},
+                "lrs": {k: list(v) for k, v in LRS[mode].items()},
                 "params_per_matrix": {"PSOFT": psoft.num_parameters(R_PSOFT), "LoRA": R_LORA * 768,
                                       "PiSSA": R_LORA * 768, "LoRA-XS": R_XS * R_XS,
                                       "OFT": 384 * (OFT_BLOCK - 1) // 2}},
