@@ -17,6 +17,7 @@ test modules import it by that name.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -263,3 +264,21 @@ ADAPTERS.extend([
     _psoft_case("psoft"),
     _psoft_case("psoft-exact-input-side", cayley="exact", singular_values_on="input"),
 ])
+
+
+# ---------------------------------------------------------------------------------------------
+# more entries, one file per method: tests/adapt/cases_<method>.py defines ``cases(contract) -> list[AdapterCase]``
+# (kept in separate files so that each method's author owns its own entries)
+# ---------------------------------------------------------------------------------------------
+
+def _load_case_files() -> None:
+    import importlib.util
+
+    for path in sorted(Path(__file__).parent.glob("cases_*.py")):
+        spec = importlib.util.spec_from_file_location(f"rankwise_tests_adapt_{path.stem}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        ADAPTERS.extend(module.cases(sys.modules[__name__]))
+
+
+_load_case_files()
