@@ -12,7 +12,9 @@ when stdout is not a terminal. A user error (unknown id, bad option value, unwri
 prints one line on stderr and exits with status 2; set ``RANKWISE_DEBUG=1`` for the traceback.
 
 Adding a verb: write one function decorated with ``@app.command()`` (or a sub-app with
-``app.add_typer``), import the library inside it, and use :func:`_console` / :func:`_progress`.
+``app.add_typer``), import the library inside it, and use :func:`_console` / :func:`_progress`;
+or put it in its own module ``rankwise/verbs/<verb>.py`` with ``register(app)`` (see
+:mod:`rankwise.verbs`), which is how ``finetune``, ``merge`` and ``federate`` are added.
 """
 
 from __future__ import annotations
@@ -412,6 +414,20 @@ def compress_cmd(
 
 
 # --------------------------------------------------------------------------------------------------
+
+
+def _register_verb_modules() -> None:
+    """Add the verbs defined in :mod:`rankwise.verbs` (one module per verb, each with ``register(app)``)."""
+    import importlib
+    import pkgutil
+
+    import rankwise.verbs
+
+    for info in sorted(pkgutil.iter_modules(rankwise.verbs.__path__), key=lambda m: m.name):
+        importlib.import_module(f"rankwise.verbs.{info.name}").register(app)
+
+
+_register_verb_modules()
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
