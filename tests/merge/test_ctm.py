@@ -1,0 +1,277 @@
+"""Compress-then-Merge: the spec's correctness checks, properties and bad inputs."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from rankwise.core.errors import RankwiseError
+from rankwise.core.lora import AdapterState
+from rankwise.merge import CtMConfig, MergeConfig, ctm_merge, merge_with_report, mtc_merge
+from rankwise.merge.baselines import core_bases, core_matrices
+from rankwise.merge.ctm import balance_norms, ctm_merge_layer, tucker2, tucker_objective
+
+MODS = ("layers.0.q", "layers.0.v", "layers.1.q")
+
+
+def lora(seed: int, m: int = 24, n: int = 20, r: int = 4, mods=MODS, scaling: float = 0.5,
+         dtype=torch.float32, fingerprint: str | None = None) -> AdapterState:
+    g = torch.Generator().manual_seed(seed)
+    f = {k: {"lora_A": torch.randn(r, n, generator=g).to(dtype), "lora_B": torch.randn(m, r, generator=g).to(dtype)}
+         for k in mods}
+    return AdapterState({"rank": r, "alpha": scaling * r}, f, {k: scaling for k in mods}, fingerprint)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def scaled(ad: AdapterState, mod: str) -> tuple[torch.Tensor, torch.Tensor]:
+    return ad.factors[mod]["lora_B"].double() * ad.scaling[mod], ad.factors[mod]["lora_A"].double()
+
+
+def proj(U: torch.Tensor) -> torch.Tensor:
+    return U @ U.T
+
+
+# -------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("rule", ["ta", "mean", "ties", "dare", "dare_ties", "iso_c"])
+def test_output_rank_at_most_r(rule):
+    ads = [lora(i) for i in range(4)]  # R = 16
+    out = ctm_merge(ads, CtMConfig(rank=3, rule=rule))
+    assert out.ranks() == {m: 3 for m in MODS}
+    assert out.scaling == {m: 1.0 for m in MODS} and out.config["alpha"] == 3.0
+    for m in MODS:
+        s = torch.linalg.svdvals(out.delta_weight(m, torch.float64))
+        assert float(s[3:].max()) < 1e-6 * float(s[0])
+
+
+def test_core_space_exactness():
+    ads = [lora(i, r=3 + i) for i in range(3)]  # mixed ranks
+    Bs, As = zip(*(scaled(a, "layers.0.q") for a in ads))
+    U_B, V_A = core_bases(Bs, As)
+    assert U_B.shape == (24, 12) and V_A.shape == (20, 12)
+    M = core_matrices(U_B, V_A, Bs, As)
+    for t in range(3):
+        assert rel(U_B @ M[t] @ V_A.T, Bs[t] @ As[t]) < 1e-5
+
+
+@pytest.mark.parametrize("rule", ["ta", "mean"])
+def test_single_adapter_is_reproduced(rule):
+    ad = lora(7)
+    out = ctm_merge([ad], CtMConfig(rank=4, rule=rule, scale=1.0))
+    for m in MODS:
+        assert rel(out.delta_weight(m, torch.float64), ad.delta_weight(m, torch.float64)) < 1e-5
+
+
+def test_identical_adapters_mean_returns_shared_adapter():
+    ad = lora(3)
+    out = ctm_merge([ad, ad.clone(), ad.clone()], CtMConfig(rank=4, rule="mean", scale=1.0))
+    for m in MODS:
+        assert rel(out.delta_weight(m, torch.float64), ad.delta_weight(m, torch.float64)) < 1e-5
+
+
+def test_hooi_improves_on_hosvd_and_is_orthonormal():
+    ads = [lora(i) for i in range(5)]
+    Bs, As = zip(*(scaled(a, "layers.1.q") for a in ads))
+    U_B, V_A = core_bases(Bs, As)
+    M = balance_norms(core_matrices(U_B, V_A, Bs, As), 0.25)
+    res = tucker2(M, 4, iters=1000, tol=1e-10)
+    assert res.objective >= res.objective_init - 1e-9
+    assert res.converged and res.iterations >= 1
+    eye = torch.eye(4, dtype=torch.float64)
+    assert torch.allclose(res.P.T @ res.P, eye, atol=1e-5) and torch.allclose(res.S.T @ res.S, eye, atol=1e-5)
+    assert abs(tucker_objective(M, res.P, res.S) - res.objective) < 1e-9
+    # HOOI: a stationary point beats random orthonormal subspaces
+    g = torch.Generator().manual_seed(0)
+    Q1 = torch.linalg.qr(torch.randn(20, 4, generator=g, dtype=torch.float64))[0]
+    Q2 = torch.linalg.qr(torch.randn(20, 4, generator=g, dtype=torch.float64))[0]
+    assert res.objective > tucker_objective(M, Q1, Q2)
+
+
+def test_beta_zero_ignores_norm_scaling_beta_one_follows_it():
+    ads = [lora(i, m=40, n=36) for i in range(4)]
+    big = ads[0].clone()
+    big.factors["layers.0.q"]["lora_B"] = big.factors["layers.0.q"]["lora_B"] * 10
+    mod = "layers.0.q"
+
+    def spaces(adapters, beta):
+        Bs, As = zip(*(scaled(a, mod) for a in adapters))
+        return ctm_merge_layer(Bs, As, CtMConfig(rank=4, beta=beta, hooi_tol=1e-12), name=mod)
+
+    r0, r0b = spaces(ads, 0.0), spaces([big] + ads[1:], 0.0)
+    assert float((proj(r0.U_r) - proj(r0b.U_r)).norm()) < 1e-2
+    assert float((proj(r0.V_r) - proj(r0b.V_r)).norm()) < 1e-2
+    r1, r1b = spaces(ads, 1.0), spaces([big] + ads[1:], 1.0)
+    assert float((proj(r1.U_r) - proj(r1b.U_r)).norm()) > 0.1
+    assert r1b.kept_energy[0] > r1.kept_energy[0] + 0.05  # the subspaces move toward the large adapter
+
+
+def test_reduced_space_identity_and_energy():
+    ads = [lora(i) for i in range(3)]
+    Bs, As = zip(*(scaled(a, "layers.0.v") for a in ads))
+    res = ctm_merge_layer(Bs, As, CtMConfig(rank=5, rule="ta", scale=1.0))
+    total = sum(b @ a for b, a in zip(Bs, As))
+    assert torch.allclose(res.U_r.T @ total @ res.V_r, res.C.sum(0), atol=1e-9)
+    assert torch.allclose(res.B @ res.A, res.U_r @ res.C.sum(0) @ res.V_r.T, atol=1e-9)
+    for t in range(3):
+        full = Bs[t] @ As[t]
+        assert abs(res.kept_energy[t] - float((res.U_r.T @ full @ res.V_r).norm() / full.norm())) < 1e-9
+        assert 0.0 < res.kept_energy[t] <= 1.0 + 1e-12
+
+
+def test_frobenius_sanity_vs_merge_then_compress():
+    ads = [lora(i) for i in range(4)]
+    ctm = ctm_merge(ads, CtMConfig(rank=4, rule="ta", scale=1.0))
+    mtc = mtc_merge(ads, MergeConfig(rank=4, rule="ta", scale=1.0))
+    for m in MODS:
+        target = sum(a.delta_weight(m, torch.float64) for a in ads)
+        e_ctm = float((ctm.delta_weight(m, torch.float64) - target).norm())
+        e_mtc = float((mtc.delta_weight(m, torch.float64) - target).norm())
+        assert e_ctm >= e_mtc - 1e-5
+
+
+class _Shapes(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def test_no_m_by_n_tensor_in_main_path():
+    m, n, T, r = 1536, 1280, 4, 8
+    ads = [lora(i, m=m, n=n, r=r, mods=("w",)) for i in range(T)]
+    with _Shapes() as rec:
+        out = ctm_merge(ads, CtMConfig(rank=r, rule="ties"))
+    assert out.rank("w") == r
+    assert rec.largest < m * n // 10  # O((m + n) R) only
+
+
+def test_deterministic_and_order_independent():
+    ads = [lora(i) for i in range(4)]
+    for rule in ("ties", "ta", "dare", "dare_ties"):
+        cfg = CtMConfig(rank=4, rule=rule)
+        a, b = ctm_merge(ads, cfg), ctm_merge(ads, cfg)
+        assert a.allclose(b)  # bitwise
+        c = ctm_merge(ads[::-1], cfg)
+        for m in MODS:
+            assert rel(c.delta_weight(m, torch.float64), a.delta_weight(m, torch.float64)) < 1e-6
+
+
+def test_rules_differ_and_scale_is_linear():
+    ads = [lora(i) for i in range(3)]
+    d = {rule: ctm_merge(ads, CtMConfig(rank=4, rule=rule, scale=1.0)).delta_weight("layers.0.q", torch.float64)
+         for rule in ("ta", "ties", "mean")}
+    assert rel(d["ta"], d["mean"] * 3) < 1e-6
+    assert rel(d["ties"], d["ta"]) > 1e-3
+    half = ctm_merge(ads, CtMConfig(rank=4, rule="ta", scale=0.5)).delta_weight("layers.0.q", torch.float64)
+    assert rel(half, 0.5 * d["ta"]) < 1e-6
+
+
+def test_iso_c_flattens_spectrum():
+    ads = [lora(i) for i in range(3)]
+    out = ctm_merge(ads, CtMConfig(rank=4, rule="iso_c", scale=1.0))
+    s = torch.linalg.svdvals(out.delta_weight("layers.0.q", torch.float64))[:4]
+    assert float(s.max() - s.min()) < 1e-6 * float(s.max())
+
+
+def test_report_and_metadata():
+    ads = [lora(i, fingerprint="abc") for i in range(3)]
+    out, rep = merge_with_report(ads, CtMConfig(rank=4))
+    assert out.fingerprint == "abc" and out.config["method"] == "ctm"
+    assert out.config["merge"]["rule"] == "ties" and out.config["merge"]["beta"] == 0.25
+    assert set(rep.kept_energy) == set(MODS) and len(rep.mean_kept_energy()) == 3
+    assert all(h["converged"] for h in rep.hooi.values())
+
+
+def test_mixed_ranks_and_dtypes():
+    ads = [lora(0, r=2), lora(1, r=6, dtype=torch.float64), lora(2, r=4)]
+    out = ctm_merge(ads, CtMConfig(rank=5))
+    assert out.factors["layers.0.q"]["lora_A"].dtype == torch.float64
+    b16 = [lora(0, dtype=torch.bfloat16), lora(1, dtype=torch.bfloat16)]
+    o16 = ctm_merge(b16, CtMConfig(rank=4))
+    assert o16.factors["layers.0.q"]["lora_B"].dtype == torch.bfloat16
+
+
+def test_zero_adapter_is_skipped_with_warning(caplog):
+    ads = [lora(i) for i in range(3)]
+    z = ads[2].clone()
+    for f in z.factors.values():
+        f["lora_B"].zero_()
+    with caplog.at_level(logging.WARNING):
+        with_zero, rep = merge_with_report(ads[:2] + [z], CtMConfig(rank=4, rule="ta", scale=1.0))
+    assert "zero" in caplog.text
+    without = ctm_merge(ads[:2], CtMConfig(rank=4, rule="ta", scale=1.0))
+    assert rel(with_zero.delta_weight("layers.0.q", torch.float64),
+               without.delta_weight("layers.0.q", torch.float64)) < 1e-6
+    assert rep.kept_energy["layers.0.q"][2] is None
+    all_zero = ctm_merge([z], CtMConfig(rank=4))
+    assert float(all_zero.delta_weight("layers.0.q").abs().max()) == 0.0
+
+
+# ------------------------------------------------------------------------------------------------- bad input
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"rank": 0}, "rank"), ({"rank": -3}, "rank"), ({"rank": 2.5}, "rank"), ({"beta": 1.5}, "beta"),
+    ({"beta": -0.1}, "beta"), ({"density": 0.0}, "density"), ({"density": 1.2}, "density"),
+    ({"drop_rate": 1.0}, "drop_rate"), ({"rule": "magic"}, "rule"), ({"scale": float("nan")}, "scale"),
+    ({"hooi_iters": -1}, "hooi_iters"), ({"hooi_tol": -1e-3}, "hooi_tol"),
+])
+def test_config_validation(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        CtMConfig(**kwargs)
+
+
+def test_bad_adapter_lists():
+    ads = [lora(i) for i in range(2)]
+    with pytest.raises(ValueError, match="empty"):
+        ctm_merge([], CtMConfig(rank=4))
+    with pytest.raises(TypeError, match="AdapterState"):
+        ctm_merge([ads[0], {"w": 1}], CtMConfig(rank=4))
+    with pytest.raises(RankwiseError, match="layers.1.q"):
+        ctm_merge([ads[0], lora(5, mods=MODS[:2])], CtMConfig(rank=4))
+    with pytest.raises(RankwiseError, match="shape"):
+        ctm_merge([ads[0], lora(5, m=30)], CtMConfig(rank=4))
+    with pytest.raises(ValueError, match=r"R = .* = 8"):
+        ctm_merge(ads, CtMConfig(rank=9))
+    with pytest.raises(ValueError, match="min\\(out, in\\)"):
+        ctm_merge([lora(i, m=6, n=5, r=4) for i in range(3)], CtMConfig(rank=6))
+    with pytest.raises(RankwiseError, match="different base models"):
+        ctm_merge([lora(0, fingerprint="aaa"), lora(1, fingerprint="bbb")], CtMConfig(rank=4))
+    other = lora(1)
+    other.config["base_model_name_or_path"] = "x/other"
+    named = lora(0)
+    named.config["base_model_name_or_path"] = "x/base"
+    with pytest.raises(RankwiseError, match="different base models"):
+        ctm_merge([named, other], CtMConfig(rank=4))
+    dora = lora(1)
+    dora.config["use_dora"] = True
+    with pytest.raises(RankwiseError, match="unsupported adapter type"):
+        ctm_merge([ads[0], dora], CtMConfig(rank=4))
+    with pytest.raises(TypeError, match="CtMConfig"):
+        ctm_merge(ads, MergeConfig(rank=4))
+
+
+def test_nan_factor_is_named():
+    ads = [lora(i) for i in range(2)]
+    ads[1].factors["layers.0.v"]["lora_A"][0, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"adapter 1.*layers.0.v"):
+        ctm_merge(ads, CtMConfig(rank=4))
+
+
+def test_rank_equal_to_R_is_exact_for_ta():
+    ads = [lora(i, r=2) for i in range(3)]  # R = 6: the subspaces hold every adapter
+    out = ctm_merge(ads, replace(CtMConfig(rank=6, rule="ta", scale=1.0)))
+    for m in MODS:
+        assert rel(out.delta_weight(m, torch.float64), sum(a.delta_weight(m, torch.float64) for a in ads)) < 1e-6
