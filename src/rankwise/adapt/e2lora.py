@@ -863,7 +863,7 @@ def collect_gradients(model: nn.Module, layers: Sequence[tuple[str, nn.Module]],
                 shape = f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else ""
                 raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}{shape}")
             if not bool(torch.isfinite(loss)):
-                raise NumericalError(f"calibration loss is {float(loss)} on batch {i}; the entropies are undefined")
+                raise NumericalError(f"calibration loss is {float(loss.detach())} on batch {i}; the entropies are undefined")
             if not loss.requires_grad:
                 raise ValueError("the calibration loss does not depend on the targeted weights (a detached graph or "
                                  "no_grad); E²LoRA needs dL/dW of every targeted layer")
@@ -967,7 +967,8 @@ def plan_e2lora(model: nn.Module, calib: Iterable[Any] | None, loss_fn: LossFn |
     else:
         N = len(next(iter(types.values()))[0])
         blocks = [torch.cat([grads[names[d]].reshape(-1) for names, _ in types.values()]) for d in range(N)]
-        shared = _type_plan("block", [f"block{d}" for d in range(N)], (1, 1), blocks, config)
+        smallest = min((shape for _, shape in types.values()), key=min)
+        shared = _type_plan("block", [f"block{d}" for d in range(N)], smallest, blocks, config)
         for key, (names, shape) in types.items():
             ranks = [min(r, min(shape)) for r in shared.ranks]
             out[key] = TypePlan(key=key, layers=list(names), shape=shape, intervals=shared.intervals, ranks=ranks,
