@@ -1,0 +1,57 @@
+"""Federated LoRA on Flower: FSLoRA and its baselines (FedAvg-LoRA, HetLoRA, FlexLoRA).
+
+Importing this package does not import flwr; the Flower classes (``FSLoRAStrategy``, ...) are built
+on first access. See docs/federated.md for simulation and deployment.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rankwise.federated.config import FSLoRAConfig
+
+__all__ = [
+    "FSLoRAConfig",
+    "FSLoRAStrategy",
+    "FedAvgLoRAStrategy",
+    "FlexLoRAStrategy",
+    "HetLoRAStrategy",
+    "LoRAClient",
+    "RunSettings",
+    "SyntheticTask",
+    "build_strategy",
+    "initial_state",
+    "make_client_app",
+    "make_client_fn",
+    "make_fslora_client_app",
+    "make_server_app",
+    "run_federated",
+]
+
+_LAZY = {
+    "FSLoRAStrategy": "rankwise.federated.fslora",
+    "FedAvgLoRAStrategy": "rankwise.federated.baselines",
+    "HetLoRAStrategy": "rankwise.federated.baselines",
+    "FlexLoRAStrategy": "rankwise.federated.baselines",
+    "LoRAClient": "rankwise.federated.client",
+    "make_client_fn": "rankwise.federated.client",
+    "RunSettings": "rankwise.federated.runner",
+    "build_strategy": "rankwise.federated.runner",
+    "initial_state": "rankwise.federated.runner",
+    "make_client_app": "rankwise.federated.runner",
+    "make_server_app": "rankwise.federated.runner",
+    "run_federated": "rankwise.federated.runner",
+    "SyntheticTask": "rankwise.federated.tasks",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name == "make_fslora_client_app":
+        from rankwise.federated.runner import make_client_app
+
+        return make_client_app
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'rankwise.federated' has no attribute {name!r}")

@@ -1,0 +1,170 @@
+"""Baselines of FSLoRA, as Flower strategies on the same client: FedAvg-LoRA, HetLoRA, FlexLoRA.
+
+* **FedAvg-LoRA** (FedIT): every client trains the full global rank-r adapter; the server runs
+  *Flower's own* ``FedAvg.aggregate_fit`` (example-weighted average of A and B separately). Run it at
+  r = k_min for the homogeneous "bucket effect" baseline, or at r with all clients full as an upper
+  bound. ``client_ranks`` is ignored.
+* **HetLoRA** (Cho et al., 2024): client i receives the first k_i columns of B / rows of A (truncation)
+  with the global scaling alpha / r; the server zero-pads each reply to rank r and averages element-wise
+  (weights ``config.weighting``; ``norm_weighting=True`` additionally weights each layer's reply by
+  ``||B_i A_i||_F``, the original paper's option). Rank self-pruning is not implemented.
+* **FlexLoRA** (Bai et al., 2024): client i receives the rank-k_i truncated SVD of the global
+  ``B A`` (``B_i = U_k sqrt(S_k)``, ``A_i = sqrt(S_k) V_k^T``); the server forms each ``B_i A_i``,
+  averages them (weights ``config.weighting``; the paper weights by data size) and keeps the rank-r
+  truncated SVD of the average as the new global factors. While the global product is zero (round 1,
+  B = 0) the SVD carries no direction, so clients get the first k_i columns/rows as in HetLoRA.
+
+HetLoRA and FlexLoRA replace factors rather than adding a change: they need ``server_optimizer="avg"``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from rankwise.federated.common import WIRE_DTYPE
+from rankwise.federated.strategy import ClientUpdate, LoRAStrategyLogic, flower_class
+
+__all__ = ["FedAvgLoRALogic", "FlexLoRALogic", "HetLoRALogic", "svd_factors", "truncated_factors"]
+
+
+class FedAvgLoRALogic(LoRAStrategyLogic):
+    """FedAvg-LoRA: full global rank for every client; aggregation by Flower's ``FedAvg.aggregate_fit``."""
+
+    method = "fedavg"
+    supports_server_optimizer = False
+
+    def client_payload(self, rnd: int, pid: int) -> tuple[list[np.ndarray], list, dict[str, float]]:
+        names = list(self.tensors)
+        return ([self.tensors[n].numpy().astype(WIRE_DTYPE, copy=True) for n in names],
+                [(n, tuple(self.tensors[n].shape)) for n in names],
+                {m: self.scaling for m in self.modules})
+
+    def aggregate(self, rnd: int, updates: list[ClientUpdate]) -> None:
+        from flwr.common import parameters_to_ndarrays
+        from flwr.server.strategy import FedAvg
+
+        params, _ = FedAvg.aggregate_fit(self, rnd, [u.raw for u in updates], [])  # type: ignore[arg-type]
+        if params is None:
+            return
+        for n, a in zip(list(self.tensors), parameters_to_ndarrays(params)):
+            self.tensors[n].copy_(torch.from_numpy(np.asarray(a)).to(torch.float32))
+
+
+def truncated_factors(A: torch.Tensor, B: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """First k rows of ``A (r, in)`` and first k columns of ``B (out, r)`` (HetLoRA's truncation)."""
+    return A[:k].clone(), B[:, :k].clone()
+
+
+def svd_factors(M: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank-k factors of ``M (out, in)`` by SVD: ``B = U_k sqrt(S_k)`` (out, k), ``A = sqrt(S_k) V_k^T`` (k, in).
+
+    ``B @ A`` is the best rank-k approximation of ``M`` (Eckart-Young); computed in float64.
+    """
+    U, S, Vh = torch.linalg.svd(M.double(), full_matrices=False)
+    k = min(k, S.shape[0])
+    s = S[:k].clamp_min(0).sqrt()
+    return (s[:, None] * Vh[:k]), (U[:, :k] * s[None, :])
+
+
+def _product_svd_factors(A: torch.Tensor, B: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`svd_factors` of ``B @ A`` through thin QRs of B and A^T (no (out, in) product formed)."""
+    qb, rb = torch.linalg.qr(B.double())
+    qa, ra = torch.linalg.qr(A.double().T)
+    a_small, b_small = svd_factors(rb @ ra.T, k)
+    return a_small @ qa.T, qb @ b_small
+
+
+class HetLoRALogic(LoRAStrategyLogic):
+    """HetLoRA: truncation to the first k_i components, zero-padded element-wise averaging."""
+
+    method = "hetlora"
+    supports_server_optimizer = False
+
+    def __init__(self, *args: Any, norm_weighting: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if not isinstance(norm_weighting, bool):
+            raise ValueError(f"norm_weighting must be a bool, got {norm_weighting!r}")
+        self.norm_weighting = norm_weighting
+
+    def client_payload(self, rnd: int, pid: int) -> tuple[list[np.ndarray], list, dict[str, float]]:
+        k = self.config.rank_of(pid)
+        arrays, layout = [], []
+        for m in self.modules:
+            a, b = truncated_factors(self.tensors[f"{m}.lora_A"], self.tensors[f"{m}.lora_B"], k)
+            arrays += [a.numpy().astype(WIRE_DTYPE), b.numpy().astype(WIRE_DTYPE)]
+            layout += [(f"{m}.lora_A", tuple(a.shape)), (f"{m}.lora_B", tuple(b.shape))]
+        h_arrays, h_layout = self._head_payload()
+        return arrays + h_arrays, layout + h_layout, {m: self.scaling for m in self.modules}
+
+    def aggregate(self, rnd: int, updates: list[ClientUpdate]) -> None:
+        w = self.weights(updates)
+        for m in self.modules:
+            A, B = self.tensors[f"{m}.lora_A"], self.tensors[f"{m}.lora_B"]
+            wm = list(w)
+            if self.norm_weighting:
+                norms = [float(torch.linalg.matrix_norm(u.tensors[f"{m}.lora_B"].double()
+                                                        @ u.tensors[f"{m}.lora_A"].double())) for u in updates]
+                raw = [wi * n for wi, n in zip(w, norms)]
+                wm = [x / sum(raw) for x in raw] if sum(raw) > 0 else list(w)
+            newA = torch.zeros(A.shape, dtype=torch.float64)
+            newB = torch.zeros(B.shape, dtype=torch.float64)
+            for u, wi in zip(updates, wm):
+                a, b = u.tensors[f"{m}.lora_A"].double(), u.tensors[f"{m}.lora_B"].double()
+                newA[: a.shape[0]] += wi * a
+                newB[:, : b.shape[1]] += wi * b
+            A.copy_(newA.float())
+            B.copy_(newB.float())
+        for n, d in self._head_average(updates, w).items():
+            self.tensors[n].add_(d)
+
+
+class FlexLoRALogic(LoRAStrategyLogic):
+    """FlexLoRA: SVD redistribution of the averaged full-size update ``sum_i w_i B_i A_i``."""
+
+    method = "flexlora"
+    supports_server_optimizer = False
+
+    def client_payload(self, rnd: int, pid: int) -> tuple[list[np.ndarray], list, dict[str, float]]:
+        k = self.config.rank_of(pid)
+        arrays, layout = [], []
+        for m in self.modules:
+            A, B = self.tensors[f"{m}.lora_A"], self.tensors[f"{m}.lora_B"]
+            if bool((B == 0).all()) or bool((A == 0).all()):
+                a, b = truncated_factors(A, B, k)
+            else:
+                a, b = _product_svd_factors(A, B, k)
+            a, b = a.float(), b.float()
+            arrays += [a.numpy().astype(WIRE_DTYPE), b.numpy().astype(WIRE_DTYPE)]
+            layout += [(f"{m}.lora_A", tuple(a.shape)), (f"{m}.lora_B", tuple(b.shape))]
+        h_arrays, h_layout = self._head_payload()
+        return arrays + h_arrays, layout + h_layout, {m: self.scaling for m in self.modules}
+
+    def aggregate(self, rnd: int, updates: list[ClientUpdate]) -> None:
+        w = self.weights(updates)
+        r = self.config.rank
+        for m in self.modules:
+            A, B = self.tensors[f"{m}.lora_A"], self.tensors[f"{m}.lora_B"]
+            M = torch.zeros(B.shape[0], A.shape[1], dtype=torch.float64)
+            for u, wi in zip(updates, w):
+                M += wi * (u.tensors[f"{m}.lora_B"].double() @ u.tensors[f"{m}.lora_A"].double())
+            a, b = svd_factors(M, r)
+            A.zero_()
+            B.zero_()
+            A[: a.shape[0]] = a.float()
+            B[:, : b.shape[1]] = b.float()
+        for n, d in self._head_average(updates, w).items():
+            self.tensors[n].add_(d)
+
+
+_NAMES = {"FedAvgLoRAStrategy": FedAvgLoRALogic, "HetLoRAStrategy": HetLoRALogic, "FlexLoRAStrategy": FlexLoRALogic}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _NAMES:
+        return flower_class(_NAMES[name], name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
