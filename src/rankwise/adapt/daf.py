@@ -11,9 +11,10 @@ newly important ones get a fresh LoRA unit, the rest keep training. Steps (spec 
    (:func:`taylor_sensitivity`, float64 accumulation).
 2. Smoothing: ``S_j ← ema · S_j^prev + (1 - ema) · S_j`` (0.7 by default; first round raw) (:func:`smooth`).
 3. Allocation: one pool of matrices, each unit a rank-``r`` LoRA of cost ``r (d_in + d_out)``; sort by
-   ``S_j / cost_j`` (the spec's rankwise default; ``rank_by="score"``: by ``S_j``, the official code) and
-   add greedily while the budget ``P`` holds, stopping at the first unit that does not fit (the
-   official rule; ``fill="skip"`` keeps looking for smaller ones) (:func:`allocate`).
+   ``S_j / cost_j`` and add greedily until ``P``, passing over a unit that does not fit to try cheaper
+   ones (the spec's simplified rankwise default, ``fill="skip"``); ``rank_by="score"`` with
+   ``fill="stop"`` (stop at the first unit that does not fit) is the official code's rule within a
+   group (:func:`allocate`).
 4. Change test: the new allocation is applied only if the fraction of changed matrix selections
    (changed entries of the selection mask over all candidates, as the official code counts them)
    exceeds ``change_thresholds[0]`` = 0.10 (:func:`change_fraction`); the vector threshold (0.20) is
@@ -78,6 +79,7 @@ __all__ = [
     "allocate",
     "apply_allocation",
     "change_fraction",
+    "check_refocusable",
     "daf_layers",
     "delete_adapter",
     "disable_adapters",
@@ -140,7 +142,8 @@ class DAFConfig:
         ema: weight of the previous scores in the smoothing, in [0, 1).
         change_thresholds: (matrix, vector) thresholds of the change test, each in [0, 1].
         rank_by: ``"score_per_cost"`` (greedy by ``S_j / cost_j``) or ``"score"`` (by ``S_j``, official).
-        fill: ``"stop"`` at the first unit that does not fit (official) or ``"skip"`` it and continue.
+        fill: ``"skip"`` a unit that does not fit and continue with cheaper ones (fills the budget; the
+            rankwise default) or ``"stop"`` at the first unit that does not fit (the official rule).
         analysis_train_mode: run the analysis in train mode (dropout on, official) or eval mode.
         dropout: dropout on the adapter input, in [0, 1).
         seed: seeds the analysis RNG and the LoRA initialisations.
@@ -156,7 +159,7 @@ class DAFConfig:
     ema: float = 0.7
     change_thresholds: tuple[float, float] = (0.10, 0.20)
     rank_by: str = "score_per_cost"
-    fill: str = "stop"
+    fill: str = "skip"
     analysis_train_mode: bool = True
     dropout: float = 0.0
     seed: int = 0
@@ -260,11 +263,11 @@ def smooth(previous: Mapping[str, float] | None, new: Mapping[str, float], ema: 
 
 
 def allocate(scores: Mapping[str, float], costs: Mapping[str, int], budget: int, *,
-             rank_by: str = "score_per_cost", fill: str = "stop") -> list[str]:
+             rank_by: str = "score_per_cost", fill: str = "skip") -> list[str]:
     """Step 3: the matrices that receive a unit, greedily by ``S_j / cost_j`` (or ``S_j``) under ``budget``.
 
-    Ties keep the order of ``scores`` (model order). ``fill="stop"`` ends at the first unit that does
-    not fit (official), ``"skip"`` passes over it. Returns the selected names in the order of ``scores``;
+    Ties keep the order of ``scores`` (model order). ``fill="skip"`` passes over a unit that does not
+    fit, ``"stop"`` ends at the first one (the official rule). Returns the selected names in the order of ``scores``;
     their total cost is ``<= budget`` by construction.
     """
     if rank_by not in RANK_BY:
@@ -783,6 +786,17 @@ def _unit_params(model: nn.Module, name: str, layer_names: Iterable[str]) -> lis
     return out
 
 
+def check_refocusable(optimizer: Any) -> None:
+    """RankwiseError unless ``optimizer`` is a ``torch.optim.Optimizer`` whose param groups can be edited in place."""
+    if not isinstance(optimizer, torch.optim.Optimizer) or not isinstance(getattr(optimizer, "param_groups", None),
+                                                                          list):
+        raise RankwiseError(f"cannot refocus a {type(optimizer).__name__} in place (it is not a torch.optim."
+                            "Optimizer with param groups); pass make_optimizer=<factory f(params) -> Optimizer>")
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise RankwiseError("LBFGS keeps one global state over its parameters and cannot change them mid-training; "
+                            "pass make_optimizer=<factory f(params) -> Optimizer>")
+
+
 def refocus_optimizer(optimizer: torch.optim.Optimizer, removed: Sequence[nn.Parameter],
                       added: Sequence[nn.Parameter], keep: Sequence[nn.Parameter] = ()) -> torch.optim.Optimizer:
     """Drop ``removed`` (and their state) from ``optimizer``'s param groups and add ``added``, in place.
@@ -793,13 +807,7 @@ def refocus_optimizer(optimizer: torch.optim.Optimizer, removed: Sequence[nn.Par
     (Adam moments). An optimizer that is not a ``torch.optim.Optimizer`` raises RankwiseError: rebuild it
     yourself with a factory (``DAFController(make_optimizer=...)``).
     """
-    if not isinstance(optimizer, torch.optim.Optimizer) or not isinstance(getattr(optimizer, "param_groups", None),
-                                                                          list):
-        raise RankwiseError(f"cannot refocus a {type(optimizer).__name__} in place (it is not a torch.optim."
-                            "Optimizer with param groups); pass make_optimizer=<factory f(params) -> Optimizer>")
-    if type(optimizer).__name__ in ("LBFGS",):
-        raise RankwiseError("LBFGS keeps one global state over its parameters and cannot change them mid-training; "
-                            "pass make_optimizer=<factory f(params) -> Optimizer>")
+    check_refocusable(optimizer)
     rem = {id(p) for p in removed}
     keep_ids = {id(p) for p in keep}
     target_group = None
@@ -1001,6 +1009,8 @@ class DAFController:
 
     def update(self, step: int, optimizer: torch.optim.Optimizer | None = None) -> DAFRound:
         """Analyse now (steps 1-2), allocate (3), test the change (4), rebuild and refocus (5)."""
+        if optimizer is not None and self.make_optimizer is None:
+            check_refocusable(optimizer)  # before anything changes
         layers = dict(_layers_of(self.model, self.name))
         previous = self.selected()
         raw = taylor_sensitivity(self.model, self.batches, self.loss_fn, layers=list(layers.items()),
@@ -1049,7 +1059,7 @@ class DAFController:
         new = self.make_optimizer(params)
         if not isinstance(new, torch.optim.Optimizer):
             raise TypeError(f"make_optimizer returned {type(new).__name__}, not a torch.optim.Optimizer")
-        if optimizer is not None:
+        if isinstance(optimizer, torch.optim.Optimizer):
             for p in params:
                 if p in optimizer.state:
                     new.state[p] = optimizer.state[p]
@@ -1085,6 +1095,7 @@ class DAFTrainer:
     def __init__(self, model: nn.Module, config: DAFConfig, train_loader: Iterable[Any], loss_fn: LossFn,
                  make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer], *, name: str = "default",
                  target: Selector = None) -> None:
+        """``target`` (types, patterns or a predicate) overrides ``config.target`` for the candidates."""
         if not callable(make_optimizer):
             raise TypeError("DAFTrainer needs make_optimizer, a factory f(params) -> torch.optim.Optimizer "
                             "(DAF changes the trainable set during training)")
