@@ -418,6 +418,11 @@ def _merged_delta_module(inputs: MergeInputs, module: str, cfg: MergeConfig) -> 
     seeds = [adapter_seed(cfg.seed, module, b, a) for b, a in zip(Bs, As)]
     kw: dict[str, Any] = dict(density=cfg.density, drop_rate=cfg.drop_rate, seeds=seeds)
     if cfg.space == "full":
+        if cfg.rule in ("ta", "iso_c", "mean"):  # linear rules: accumulate, never hold T dense matrices
+            total = torch.zeros(m, n, dtype=_FP)
+            for b, a in zip(Bs, As):
+                total.addmm_(b, a)
+            return cfg.scale * (total / len(Bs) if cfg.rule == "mean" else total)
         X = torch.stack([b @ a for b, a in zip(Bs, As)])
         return cfg.scale * merge_tensors(X, cfg.rule, **kw)
     if cfg.space == "core":

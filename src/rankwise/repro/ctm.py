@@ -1,0 +1,377 @@
+"""Reproduction of Compress-then-Merge (CtM) on the embedded MiniLM: T task LoRAs -> one rank-8 LoRA.
+
+Setting (spec "Reproduction at small scale", adapted to the zoo): the pretrained all-MiniLM-L6-v2,
+frozen; one LoRA (rank 8, alpha 8) per zoo text task on ``query``/``key``/``value``/
+``attention.output.dense`` of the top 2 encoder layers, each trained with its own linear head on
+mean-pooled tokens (:mod:`rankwise.zoo.task_loras`, trained once per (task, seed) and cached). The
+T LoRAs are merged into ONE rank-8 LoRA by each method; every task is then evaluated with the
+merged LoRA and its own head. Metric: normalized accuracy = merged accuracy / the task's individual
+LoRA accuracy, averaged over tasks (the paper's metric).
+
+Rows (all single-LoRA-output methods give a rank-8 LoRA):
+
+* **CtM-TIES**, **CtM-TA** — :func:`rankwise.merge.ctm.merge`;
+* **MtC-TA (PEFT svd)**, **MtC-TIES (PEFT ties_svd)** — PEFT's own ``add_weighted_adapter`` with
+  ``svd_rank=8`` on the same LoRAs (the full-space merge-then-compress baselines, run by the library
+  users already have); full mode adds **MtC-DARE-TIES (PEFT dare_ties_svd)**;
+* **Core-TIES (truncated)**, **Iso-C (full, truncated)** — :mod:`rankwise.merge.baselines`; full mode
+  adds **KnOTS-TIES (truncated)**;
+* references (not rank 8): **TIES (full rank)** and **TA (full rank)**, the untruncated merges, and
+  **no adapter** (the base encoder with each task's head).
+
+Tuning on the validation split (held out from each task's training data), the same sequential
+budget for every method as in the paper: λ over the grid with topK = 30 % and β = 0.25; then topK
+(TIES/DARE rules only); then β (CtM only). The chosen setting is evaluated once on the test split.
+
+Claims (spec "THE CLAIM"): (1) CtM-TIES beats MtC-TIES (full space) by >= 1.0 normalized-accuracy
+point over seeds (quick mode: >= -0.5 point); (2) the best CtM variant >= the best truncated baseline
+(full mode); (3) every CtM output has numerical rank <= 8 per layer.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from rankwise.core.lora import AdapterState
+from rankwise.merge import baselines
+from rankwise.merge.ctm import CtMConfig
+from rankwise.merge.ctm import merge as ctm_merge
+from rankwise.repro.result import MODES, ClaimCheck, ReproResult, Table, environment
+
+ID = "ctm"
+CLAIM = ("Compressing T task LoRAs into shared rank-r subspaces before merging (CtM) gives one rank-r LoRA with "
+         "higher mean normalized accuracy than merging in full space and truncating (merge-then-compress).")
+RANK = 8
+LAMBDAS_FULL = (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0)
+SMOKE_RECIPE = {"version": 1, "model": "all-MiniLM-L6-v2", "top_layers": 1,
+                "targets": ["query", "key", "value", "attention.output.dense"], "rank": 8, "alpha": 8.0,
+                "lr": 1e-3, "head_lr": 1e-2, "epochs": 1, "batch_size": 16, "max_length": 16, "max_train": 80,
+                "n_val": 16, "max_test": 32, "head_std": 0.02}
+SETTINGS: dict[str, dict[str, Any]] = {
+    "smoke": dict(tasks=("topic", "kind"), recipe=SMOKE_RECIPE, lambdas=(1.0,), topks=(), betas=(), full_rows=False),
+    "quick": dict(tasks=("topic", "kind", "private"), recipe=None, lambdas=(0.5, 1.0, 1.5), topks=(), betas=(),
+                  full_rows=False),
+    "full": dict(tasks=None, recipe=None, lambdas=LAMBDAS_FULL, topks=(0.1, 0.25, 0.5, 1.0),
+                 betas=(0.0, 0.25, 0.5, 0.75), full_rows=True),
+}
+DENSITY0, BETA0, DROP = 0.3, 0.25, 0.1
+MARGIN = {"smoke": -0.5, "quick": -0.5, "full": 1.0}  # points of normalized accuracy, CtM-TIES - MtC-TIES
+
+
+# ------------------------------------------------------------------------------------------------
+# evaluation of one adapter on every task
+# ------------------------------------------------------------------------------------------------
+
+class Evaluator:
+    """Runs the adapted top layers once per split on all tasks' cached inputs and scores each task's head."""
+
+    def __init__(self, bert: nn.Module, tok: Any, loras: list[Any], datas: list[Any], recipe: dict[str, Any]) -> None:
+        from rankwise.repro.cdka import FrozenPrefix
+        from rankwise.zoo.task_loras import encode_task, top_model
+
+        prefix = FrozenPrefix(bert, tok, len(bert.encoder.layer) - recipe["top_layers"], recipe["max_length"])
+        self.splits: dict[str, tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], list[slice]]] = {}
+        for split in ("val", "test"):
+            hs, ms, ys, sl, start = [], [], [], [], 0
+            for d in datas:
+                h, m, y = encode_task(prefix, getattr(d, split))
+                hs.append(h)
+                ms.append(m)
+                ys.append(y)
+                sl.append(slice(start, start + len(y)))
+                start += len(y)
+            self.splits[split] = (torch.cat(hs), torch.cat(ms), ys, sl)
+        self.heads = [(tl.head["weight"].float(), tl.head["bias"].float()) for tl in loras]
+        self.model = top_model(bert, 2, 0, recipe)
+        self.model.eval()
+        self.template = loras[0].state
+        self.evals = 0
+
+    @torch.no_grad()
+    def accuracies(self, state: AdapterState | None, split: str) -> list[float]:
+        """Per-task accuracy on ``split`` with ``state`` as the (only) adapter; ``None``: the base encoder."""
+        from rankwise.core.lora import lora_layers, set_state, unload
+        from rankwise.repro.cdka import pooled_cached
+
+        if state is None:
+            if lora_layers(self.model):
+                unload(self.model)
+        else:
+            set_state(self.model, state, "default", check_base=False)
+        h, m, ys, sl = self.splits[split]
+        emb = pooled_cached(self.model, h, m)
+        self.evals += 1
+        return [float(((emb[s] @ W.T + b).argmax(-1) == y).double().mean()) for s, (W, b), y in zip(sl, self.heads, ys)]
+
+
+def _norm_acc(accs: Sequence[float], ref: Sequence[float]) -> float:
+    return statistics.fmean(a / max(r, 1e-9) for a, r in zip(accs, ref))
+
+
+# ------------------------------------------------------------------------------------------------
+# methods
+# ------------------------------------------------------------------------------------------------
+
+def _peft_merge(states: list[AdapterState], ctype: str, lam: float, density: float, seed: int) -> AdapterState:
+    """PEFT's ``LoraModel.add_weighted_adapter`` on the task LoRAs (weights λ each, ``svd_rank`` = 8)."""
+    import peft
+
+    mods = states[0].modules()
+    holder = nn.Module()
+    for m in mods:  # a shell with one Linear per adapted module, at the same dotted path
+        out_f, in_f = states[0].shape(m)
+        parent = holder
+        parts = m.split(".")
+        for p in parts[:-1]:
+            if not hasattr(parent, p):
+                parent.add_module(p, nn.Module())
+            parent = getattr(parent, p)
+        parent.add_module(parts[-1], nn.Linear(in_f, out_f, bias=False))
+    r0 = states[0].rank(mods[0])
+    cfg = peft.LoraConfig(r=r0, lora_alpha=r0, target_modules=mods, lora_dropout=0.0)
+    lm = peft.LoraModel(holder, {"t0": cfg}, "t0")
+    names = [f"t{i}" for i in range(len(states))]
+    for name in names[1:]:
+        lm.peft_config[name] = copy.deepcopy(cfg)
+        lm.inject_adapter(holder, name)
+    with torch.no_grad():
+        for name, st in zip(names, states):
+            for m in mods:
+                layer = holder.get_submodule(m)
+                layer.lora_A[name].weight.copy_(st.factors[m]["lora_A"])
+                layer.lora_B[name].weight.copy_(st.factors[m]["lora_B"])
+                layer.scaling[name] = st.scaling[m]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)  # PEFT's DARE draws from the global RNG
+        lm.add_weighted_adapter(names, [lam] * len(names), "merged", combination_type=ctype, svd_rank=RANK,
+                                density=density)
+    factors, scaling = {}, {}
+    for m in mods:
+        layer = holder.get_submodule(m)
+        factors[m] = {"lora_A": layer.lora_A["merged"].weight.detach().clone(),
+                      "lora_B": layer.lora_B["merged"].weight.detach().clone()}
+        scaling[m] = float(layer.scaling["merged"])
+    return AdapterState({"method": f"peft-{ctype}", "rank": RANK, "alpha": float(RANK)}, factors, scaling)
+
+
+def _full_rank_state(states: list[AdapterState], rule: str, lam: float, density: float) -> AdapterState:
+    """The untruncated merge (reference), as an exact LoRA of rank min(m, n)."""
+    deltas = baselines.merged_deltas(states, baselines.MergeConfig(rule=rule, scale=lam, density=density), rank=None)
+    factors = {}
+    for m, d in deltas.items():
+        B, A = baselines.truncate(d, min(d.shape))
+        factors[m] = {"lora_A": A.float(), "lora_B": B.float()}
+    return AdapterState({"method": f"full-{rule}"}, factors, {m: 1.0 for m in deltas})
+
+
+def _methods(full_rows: bool, seed: int) -> dict[str, tuple[Callable[..., AdapterState], tuple[str, ...]]]:
+    """name -> (build(states, lam, density, beta), tuned knobs beyond λ)."""
+    def ctm(rule: str) -> Callable[..., AdapterState]:
+        return lambda st, lam, dens, beta: ctm_merge(st, CtMConfig(rank=RANK, rule=rule, scale=lam, density=dens,
+                                                                   beta=beta, drop_rate=DROP))
+
+    def mtc(space: str, rule: str) -> Callable[..., AdapterState]:
+        return lambda st, lam, dens, beta: baselines.merge(st, baselines.MergeConfig(
+            rank=RANK, rule=rule, space=space, scale=lam, density=dens, drop_rate=DROP))
+
+    def peft_(ctype: str) -> Callable[..., AdapterState]:
+        return lambda st, lam, dens, beta: _peft_merge(st, ctype, lam, dens, seed)
+
+    out: dict[str, tuple[Callable[..., AdapterState], tuple[str, ...]]] = {
+        "CtM-TIES": (ctm("ties"), ("topk", "beta")),
+        "CtM-TA": (ctm("ta"), ("beta",)),
+        "MtC-TIES (PEFT ties_svd)": (peft_("ties_svd"), ("topk",)),
+        "MtC-TA (PEFT svd)": (peft_("svd"), ()),
+        "Core-TIES (truncated)": (mtc("core", "ties"), ("topk",)),
+        "Iso-C (full, truncated)": (mtc("full", "iso_c"), ()),
+    }
+    if full_rows:
+        out["MtC-DARE-TIES (PEFT dare_ties_svd)"] = (peft_("dare_ties_svd"), ("topk",))
+        out["KnOTS-TIES (truncated)"] = (mtc("knots", "ties"), ("topk",))
+    out["TIES (full rank, reference)"] = (lambda st, lam, dens, beta: _full_rank_state(st, "ties", lam, dens), ("topk",))
+    out["TA (full rank, reference)"] = (lambda st, lam, dens, beta: _full_rank_state(st, "ta", lam, dens), ())
+    return out
+
+
+TRUNCATED_BASELINES = ("MtC-TIES (PEFT ties_svd)", "MtC-TA (PEFT svd)", "Core-TIES (truncated)",
+                       "Iso-C (full, truncated)", "MtC-DARE-TIES (PEFT dare_ties_svd)", "KnOTS-TIES (truncated)")
+CTM_ROWS = ("CtM-TIES", "CtM-TA")
+
+
+def _tune(build: Callable[..., AdapterState], knobs: tuple[str, ...], states: list[AdapterState], ev: Evaluator,
+          ref_val: list[float], S: dict[str, Any]) -> tuple[dict[str, float], float]:
+    """Sequential search on the validation split: λ, then topK, then β (each at the best so far)."""
+    best = {"lam": S["lambdas"][0], "density": DENSITY0, "beta": BETA0}
+    best_score = -1.0
+    cache: dict[tuple[float, float, float], float] = {}
+
+    def score(p: dict[str, float]) -> float:
+        key = (p["lam"], p["density"], p["beta"])
+        if key not in cache:
+            cache[key] = _norm_acc(ev.accuracies(build(states, p["lam"], p["density"], p["beta"]), "val"), ref_val)
+        return cache[key]
+
+    for knob, grid in (("lam", S["lambdas"]), ("density", S["topks"] if "topk" in knobs else ()),
+                       ("beta", S["betas"] if "beta" in knobs else ())):
+        for v in grid:
+            p = dict(best, **{knob: v})
+            s = score(p)
+            if s > best_score + 1e-12:
+                best, best_score = p, s
+    if best_score < 0:
+        best_score = score(best)
+    return best, best_score
+
+
+def _numerical_rank(state: AdapterState) -> int:
+    worst = 0
+    for m in state.modules():
+        s = torch.linalg.svdvals(state.delta_weight(m, torch.float64))
+        worst = max(worst, int((s > 1e-6 * s[0]).sum()) if float(s[0]) > 0 else 0)
+    return worst
+
+
+# ------------------------------------------------------------------------------------------------
+# the run
+# ------------------------------------------------------------------------------------------------
+
+def _run_seed(seed: int, S: dict[str, Any], bert: nn.Module, tok: Any, table: Table, extra: dict[str, Any]) -> None:
+    from rankwise.zoo.task_loras import RECIPE, TASKS, task_data, task_lora
+
+    recipe = S["recipe"] or RECIPE
+    tasks = S["tasks"] or TASKS
+    t0 = time.perf_counter()
+    loras = [task_lora(t, seed, recipe=recipe, bert=bert, tokenizer=tok) for t in tasks]
+    t_train = time.perf_counter() - t0
+    datas = [task_data(t, seed, recipe) for t in tasks]
+    ev = Evaluator(bert, tok, loras, datas, recipe)
+    states = [tl.state for tl in loras]
+    indiv_val = [tl.metrics["val_acc"] for tl in loras]
+    indiv_test = [tl.metrics["test_acc"] for tl in loras]
+    info: dict[str, Any] = {"tasks": list(tasks), "individual_test_acc": dict(zip(tasks, indiv_test)),
+                            "individual_val_acc": dict(zip(tasks, indiv_val)), "lora_build_s": t_train,
+                            "chosen": {}, "test_acc": {}, "val_norm_acc": {}}
+    table.add("individual LoRAs (reference)", "normalized acc", 1.0)
+    table.add("individual LoRAs (reference)", "mean test acc", statistics.fmean(indiv_test))
+    base = ev.accuracies(None, "test")
+    table.add("no adapter (task heads)", "normalized acc", _norm_acc(base, indiv_test))
+    table.add("no adapter (task heads)", "mean test acc", statistics.fmean(base))
+    ranks: dict[str, int] = {}
+    for row, (build, knobs) in _methods(S["full_rows"], seed).items():
+        params, val_score = _tune(build, knobs, states, ev, indiv_val, S)
+        merged = build(states, params["lam"], params["density"], params["beta"])
+        accs = ev.accuracies(merged, "test")
+        table.add(row, "normalized acc", _norm_acc(accs, indiv_test))
+        table.add(row, "mean test acc", statistics.fmean(accs))
+        table.add(row, "val normalized acc", val_score)
+        if "reference" not in row:
+            ranks[row] = _numerical_rank(merged)
+            table.add(row, "max numerical rank", ranks[row])
+        info["chosen"][row] = params
+        info["test_acc"][row] = dict(zip(tasks, accs))
+        info["val_norm_acc"][row] = val_score
+    info["numerical_rank"] = ranks
+    info["evaluations"] = ev.evals
+    extra.setdefault("seeds", {})[str(seed)] = info
+
+
+def _figure(table: Table, out_dir: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = list(table.rows)
+    means = [100 * table.mean(r, "normalized acc") for r in rows]
+    stds = [100 * table.std(r, "normalized acc") for r in rows]
+    colors = ["tab:red" if r.startswith("CtM") else "tab:gray" if "reference" in r or "no adapter" in r
+              else "tab:blue" for r in rows]
+    fig, ax = plt.subplots(figsize=(8, 0.45 * len(rows) + 1.2))
+    ax.barh(rows, means, xerr=stds, color=colors)
+    ax.invert_yaxis()
+    ax.set_xlabel("mean normalized accuracy (%) of one merged LoRA (rank 8)")
+    ax.set_xlim(max(0.0, min(means) - 10), max(means) + 5)
+    ax.set_title("Merging task LoRAs on MiniLM: CtM (red) vs merge-then-compress (blue)")
+    fig.tight_layout()
+    fig.savefig(out_dir / "ctm_normalized_accuracy.png", dpi=120)
+    plt.close(fig)
+    return ["ctm_normalized_accuracy.png"]
+
+
+def run(mode: str, seeds: Sequence[int], out_dir: Path) -> ReproResult:
+    """Run the CtM reproduction in ``mode`` ("smoke", "quick", "full") over ``seeds``; see the module docstring."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    seeds = list(seeds)
+    if not seeds:
+        raise ValueError("seeds must not be empty")
+    from rankwise import zoo
+    from rankwise.zoo.task_loras import RECIPE, TASKS
+
+    t0 = time.perf_counter()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    S = SETTINGS[mode]
+    bert, tok = zoo.minilm()
+    table = Table(columns=["normalized acc", "mean test acc", "val normalized acc", "max numerical rank"],
+                  notes={"normalized acc": "merged test accuracy / individual LoRA test accuracy, mean over tasks",
+                         "max numerical rank": "max over layers of #singular values > 1e-6 sigma_1 of the merged delta"})
+    extra: dict[str, Any] = {}
+    for seed in seeds:
+        _run_seed(seed, S, bert, tok, table, extra)
+
+    per_seed = extra["seeds"]
+    gaps = {s: 100 * (table.values("CtM-TIES", "normalized acc")[i] -
+                      table.values("MtC-TIES (PEFT ties_svd)", "normalized acc")[i]) for i, s in enumerate(per_seed)}
+    extra["gap_ctm_ties_vs_mtc_ties_points"] = gaps
+    mean_gap = statistics.fmean(gaps.values())
+    best_ctm = max(table.mean(r, "normalized acc") for r in CTM_ROWS)
+    best_base = max(table.mean(r, "normalized acc") for r in TRUNCATED_BASELINES if r in table.rows)
+    max_rank = max(v for s in per_seed.values() for r, v in s["numerical_rank"].items() if r in CTM_ROWS)
+    checks = [
+        ClaimCheck("CtM-TIES - MtC-TIES (full space, PEFT ties_svd): mean normalized accuracy over seeds",
+                   mean_gap, ">=", MARGIN[mode], unit="points",
+                   note="the spec's quick-mode claim is the reduced '>= -0.5 point'" if mode != "full" else ""),
+        ClaimCheck(f"every CtM output has numerical rank <= {RANK} per layer (max over layers, seeds, CtM rows)",
+                   max_rank, "<=", RANK, unit="rank"),
+    ]
+    if mode == "full":
+        checks.insert(1, ClaimCheck("best CtM variant - best truncated baseline (mean normalized accuracy)",
+                                    100 * (best_ctm - best_base), ">=", 0.0, unit="points"))
+    figures = _figure(table, out_dir)
+    recipe = S["recipe"] or RECIPE
+    tasks = list(S["tasks"] or TASKS)
+    build_s = sum(s["lora_build_s"] for s in per_seed.values())
+    notes = (
+        f"T = {len(tasks)} zoo text tasks ({', '.join(tasks)}); one LoRA (rank {recipe['rank']}, alpha "
+        f"{recipe['alpha']}) per task on q/k/v/attention.output.dense of the top {recipe['top_layers']} MiniLM layers "
+        f"({recipe['epochs']} epochs, Adam; rankwise.zoo.task_loras, cached after the first run: this run spent "
+        f"{build_s:.1f} s loading or training them). Merged rank r = {RANK} (= the LoRA rank, as in the paper). "
+        f"Tuning on each task's held-out validation split ({recipe['n_val']} examples): λ in {list(S['lambdas'])} "
+        f"at topK {DENSITY0:.0%} and β {BETA0}"
+        + (f", then topK in {list(S['topks'])}, then (CtM) β in {list(S['betas'])}" if S["topks"] else
+           " (topK and β fixed in this mode)")
+        + f"; DARE drop rate {DROP}. Full-space baselines are PEFT's own add_weighted_adapter (svd, ties_svd"
+        + (", dare_ties_svd" if S["full_rows"] else "") + f", svd_rank={RANK}). Deviations from the spec: the spec's "
+        "synthetic template tasks are replaced by the zoo's docstring tasks; LoRAs adapt the top 2 layers (not all 6) "
+        "and are trained by one recipe shared by quick and full mode so that the cached LoRAs serve both. "
+        f"Per-seed CtM-TIES - MtC-TIES gap (points): { {k: round(v, 2) for k, v in gaps.items()} }. "
+        "At this scale (T <= 6, rank 8, two adapted layers) the gap is expected to be small: the paper's argument "
+        "is that full-space merging spreads energy over up to T r directions which truncation then cuts; with few, "
+        "small tasks that loss is limited.")
+    result = ReproResult(
+        id=ID, mode=mode, seeds=seeds, claim=CLAIM, table=table, checks=checks, figures=figures, notes=notes,
+        config={"tasks": tasks, "recipe": recipe, "rank": RANK, "lambdas": list(S["lambdas"]),
+                "topks": list(S["topks"]), "betas": list(S["betas"]), "density0": DENSITY0, "beta0": BETA0,
+                "drop_rate": DROP},
+        wall_time_s=time.perf_counter() - t0, environment=environment(seeds), extra=extra)
+    result.save(out_dir)
+    return result
