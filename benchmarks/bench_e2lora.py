@@ -1,0 +1,126 @@
+"""E²LoRA training steps on the real all-MiniLM-L6-v2, side by side with PEFT's LoRA.
+
+The model is the encoder (:func:`rankwise.zoo.minilm`) with a linear head on mean-pooled tokens (the
+reproductions' model), adapters on ``query`` and ``value`` of all six layers, one training step =
+forward, cross-entropy, backward, ``torch.optim.AdamW`` step, ``zero_grad``, on a batch of 16 sentences
+x 16 tokens (fixed random token ids), head trainable.
+
+Cases (``ratio_vs_anchor`` < 1: faster than the anchor):
+
+* ``e2lora_step`` (anchor PEFT LoRA r=8, alpha=16, 73 728 adapter parameters): rankwise E²LoRA with the
+  plan computed once from one calibration batch when the implementation is built (the shared pairs make
+  the per-step work the same as LoRA's at the interval ranks, plus summing the shared gradients), and PEFT
+  LoRA at rank 4 (about E²LoRA's parameter count on this model);
+* ``e2lora_plan``: the one-shot planning overhead (one forward/backward with full weight gradients of
+  the targeted layers plus the O(N^2) entropies), anchored on one PEFT LoRA r=8 training step, so the
+  ratio reads "the plan costs this many training steps".
+
+Run ``python -m benchmarks.run e2lora`` (a minute or two on 2 free cores).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from benchmarks.harness import Case
+
+BATCH, SEQ = 16, 16
+TARGETS = ("query", "value")
+
+
+class _Classifier(nn.Module):
+    """MiniLM encoder + mean pooling + linear head (4 classes)."""
+
+    def __init__(self, bert: nn.Module) -> None:
+        super().__init__()
+        self.bert = bert
+        self.classifier = nn.Linear(bert.config.hidden_size, 4)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        h = self.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        w = attention_mask[..., None].to(h.dtype)
+        return self.classifier((h * w).sum(1) / w.sum(1))
+
+
+@functools.lru_cache(maxsize=1)
+def _base() -> nn.Module:
+    from rankwise import zoo
+
+    bert, _ = zoo.minilm()
+    torch.manual_seed(0)
+    return _Classifier(bert)
+
+
+def _inputs() -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1000, 30000, (BATCH, SEQ), generator=g)
+    ids[:, 0], ids[:, -1] = 101, 102
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, torch.randint(0, 4, (BATCH,), generator=g)
+
+
+def _loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    return nn.functional.cross_entropy(model(**batch[0]), batch[1])
+
+
+def _head_on(model: nn.Module) -> nn.Module:
+    for p in model.classifier.parameters():
+        p.requires_grad_(True)
+    return model
+
+
+def _build(impl: str) -> nn.Module:
+    import peft
+
+    model = copy.deepcopy(_base())
+    if impl in ("peft-lora-r8", "peft-lora-r4"):
+        r = int(impl[-1])
+        return _head_on(peft.inject_adapter_in_model(peft.LoraConfig(r=r, lora_alpha=2 * r,
+                                                                     target_modules=list(TARGETS)), model))
+    if impl == "rankwise-e2lora":
+        from rankwise.adapt import e2lora
+
+        cfg = e2lora.E2LoRAConfig(base_rank=8, alpha=16, target=TARGETS)
+        return _head_on(e2lora.adapt(model, cfg, calib=[_inputs()], loss_fn=_loss))
+    raise ValueError(f"unknown implementation {impl!r}")
+
+
+def _train_step(impl: str) -> Callable[[], Callable[[], Any]]:
+    def factory() -> Callable[[], Any]:
+        model = _build(impl).train()
+        inputs, labels = _inputs()
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+
+        def run() -> float:
+            loss = nn.functional.cross_entropy(model(**inputs), labels)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return float(loss.detach())
+        return run
+    return factory
+
+
+def _plan() -> Callable[[], Any]:
+    from rankwise.adapt import e2lora
+
+    model = copy.deepcopy(_base())
+    cfg = e2lora.E2LoRAConfig(base_rank=8, alpha=16, target=TARGETS)
+    batch = _inputs()
+    return lambda: e2lora.plan_e2lora(model, [batch], _loss, cfg)
+
+
+CASES = [
+    Case("e2lora_step", {k: _train_step(k) for k in ("peft-lora-r8", "rankwise-e2lora", "peft-lora-r4")},
+         anchor="peft-lora-r8", params={"batch": BATCH, "seq": SEQ, "targets": list(TARGETS), "layers": 6,
+                                        "adapter_params": {"peft-lora-r8": 73728, "peft-lora-r4": 36864,
+                                                           "rankwise-e2lora": "data-dependent (plan)"}},
+         repeats=15, warmup=2),
+    Case("e2lora_plan", {"peft-lora-r8-step": _train_step("peft-lora-r8"), "rankwise-e2lora-plan": _plan},
+         anchor="peft-lora-r8-step", params={"batch": BATCH, "seq": SEQ, "targets": list(TARGETS),
+                                             "calib_batches": 1}, repeats=10, warmup=1),
+]
