@@ -79,7 +79,8 @@ class LoRAStrategyLogic:
         init_adapter: the initial global adapter (rank ``config.rank`` on every module; B = 0 for LoRA's
             usual start), e.g. from :func:`rankwise.federated.runner.initial_state`.
         head: ``{parameter name: tensor}`` trained by every client and averaged (may be empty).
-        evaluate_fn: ``f(adapter, head) -> (loss, {"accuracy": ...})`` for server-side evaluation, or None.
+        evaluate_fn: ``f(adapter, head) -> (loss, {"accuracy": ...})`` for server-side evaluation (it may
+            return None to skip a round; ``adapter.config["rounds"]`` is the round), or None.
         num_clients: how many clients exist (ids 0..N-1); checks ``client_ranks`` ids, waits for N nodes.
         checkpoint_dir: where ``checkpoint.safetensors`` is written after every round (None: not written).
         round_timeout: seconds a node may take to answer ``get_properties`` (fit timeouts are the
@@ -343,11 +344,11 @@ class LoRAStrategyLogic:
     def evaluate(self, server_round: int, parameters: Any) -> tuple[float, dict[str, Any]] | None:
         """Server-side evaluation of the global adapter with ``evaluate_fn`` (None without one)."""
         rnd = server_round + self._offset
-        if self.evaluate_fn is None:
-            result = None
-        else:
-            loss, metrics = self.evaluate_fn(self.global_adapter, self.global_head)
-            result = (float(loss), dict(metrics))
+        result = None
+        if self.evaluate_fn is not None:
+            out = self.evaluate_fn(self.global_adapter, self.global_head)  # None: skipped this round
+            if out is not None:
+                result = (float(out[0]), dict(out[1]))
         row = next((h for h in self.history if h["round"] == rnd), None)
         if row is None and rnd == 0:
             row = {"round": 0}
