@@ -1,0 +1,393 @@
+"""Reproduction of DAF (dynamic sensitivity-aware re-allocation) on the embedded MiniLM, against a static
+allocation, PEFT's LoRA and PEFT's AdaLoRA at the same trainable-parameter budget.
+
+Setting (spec "Reproduction at small scale", the CDKA/PSOFT set-up of :mod:`rankwise.repro.cdka`): the
+pretrained all-MiniLM-L6-v2 + a linear head on mean-pooled tokens, the seeded 4-class "negated
+sentiment x topic" task (2 000 train / 1 000 test, at most 16 tokens, batch 16). The top ``top_layers``
+encoder layers are adapted (their six linear layers are DAF's candidates: q, k, v, attention output,
+fc1, fc2); the frozen layers below are run once and cached. Every model trains with the shared loop
+(:class:`rankwise.train.finetune.Trainer`: AdamW, linear schedule with 6 % warm-up, clipping 1.0) in
+lock step on the same batches; the head trains in every row at 1e-3, outside the budget.
+
+Budget ``P = (2 · top_layers) · R_QV · 768``: the size of rank-``R_QV`` LoRA on q and v of the adapted
+layers (9 216 in quick mode with 2 layers, 18 432 in full mode with 4 layers: the spec's 6 layers x 160 steps x
+3 seeds x 5 rows would not fit 10 minutes on 2 busy cores, and the spec allows cutting layers/steps, never seeds). Rows:
+
+* **DAF**: ``DAFConfig(lora_rank=4, budget_params=P)``; round 0 at step 0, then rounds at
+  ``analysis_every`` with ``n_b`` fixed analysis batches (drawn apart from the training batches);
+* **static (round 0 only)**: the same model right after round 0, never re-allocated (SPT-style);
+* **LoRA q,v (PEFT)**: ``peft.LoraConfig(r=R_QV, target_modules=["query", "value"])`` = exactly ``P``;
+* **AdaLoRA q,v (PEFT)**: ``peft.AdaLoraConfig(init_r=2 R_QV, target_r=R_QV)`` on q, v, so that its final
+  rank budget is ``R_QV`` per matrix on average (final parameters ``P + 36``: the singular values);
+  ``update_and_allocate`` runs after every optimizer step and AdaLoRA's orthogonality regulariser (weight
+  0.1, PEFT adds it only to an output ``.loss``, which our logits model has not) is added to the gradients
+  at the same point (:class:`AdaLoraHook`); schedule ``tinit = 10 %``, ``tfinal = 30 %`` of the steps;
+* **head only** (full mode): the frozen encoder with a trained head.
+
+Every adapter row uses scaling 2 (``alpha = 2 r``; AdaLoRA: ``lora_alpha = 2 init_r``, PEFT divides by ``init_r``).
+Learning rates: every row gets its best adapter rate from the same grid by :func:`lr_sweep` on a
+development seed with a validation split (:data:`LRS`); full mode reuses the quick-mode rates.
+
+Claims (spec "THE CLAIM"): (a) DAF mean test accuracy >= static + 0.5 point; (b) DAF >= AdaLoRA - 0.5
+point; (c) DAF's training adapter parameters never exceed ``P`` at any step (exact). (a) and (b) are
+expected to hold only qualitatively at this scale.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from rankwise.adapt import daf
+from rankwise.repro.cdka import (
+    LABELS,
+    CachedSplit,
+    FrozenPrefix,
+    TopModel,
+    adapter_optimizer,
+    batch_indices,
+    evaluate_cached,
+    median_step_ms,
+    negation_task,
+    peft_inject,
+    trainable_adapter_params,
+)
+from rankwise.repro.result import MODES, ClaimCheck, ReproResult, Table, environment
+from rankwise.train.finetune import Batch, FinetuneConfig, Trainer, lockstep
+
+ID = "daf"
+CLAIM = ("Re-measuring sensitivity on the current model during training and moving the PEFT budget to the newly "
+         "important matrices (freezing, not discarding, the outdated ones) fine-tunes better than a static "
+         "allocation and at least as well as AdaLoRA at the same trainable-parameter budget.")
+
+R_DAF = 4
+R_QV = 3
+QV = ("query", "value")
+HIDDEN = 384
+LR_HEAD = 1e-3
+ORTH_REG = 0.1
+ROWS = ("DAF", "static (round 0 only)", "LoRA q,v (PEFT)", "AdaLoRA q,v (PEFT)")
+SETTINGS: dict[str, dict[str, Any]] = {
+    "smoke": dict(n_train=96, n_test=64, top_layers=1, steps=4, batch_size=16, max_length=16, analysis_every=2,
+                  analysis_batches=1, rows=ROWS),
+    "quick": dict(n_train=2000, n_test=1000, top_layers=2, steps=60, batch_size=16, max_length=16, analysis_every=30,
+                  analysis_batches=2, rows=ROWS),
+    "full": dict(n_train=2000, n_test=1000, top_layers=4, steps=160, batch_size=16, max_length=16, analysis_every=40,
+                 analysis_batches=4, rows=ROWS + ("head only",)),
+}
+# adapter learning rate per row, chosen by lr_sweep() on the grid {3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1} (dev seed 100,
+# quick settings, 1 600 training / 400 validation sentences; the head at LR_HEAD). Validation accuracy per rate:
+#   DAF      0.675 0.6175 0.565  0.4975 0.4725 0.49     (best 3e-4, the lower edge: the adapters barely move)
+#   static   0.675 0.6175 0.5675 0.4975 0.465  0.4975   (best 3e-4)
+#   LoRA     0.6675 0.6975 0.6075 0.8125 0.5675 0.4875  (best 1e-2)
+#   AdaLoRA  0.6675 0.6675 0.6675 0.675 0.865  0.9775   (best 1e-1, the upper edge)
+# "head only" (full mode only) was not swept here: 3e-2, the head-only optimum of the CDKA sweep on the same task.
+LRS: dict[str, dict[str, float]] = {
+    "quick": {"DAF": 3e-4, "static (round 0 only)": 3e-4, "LoRA q,v (PEFT)": 1e-2, "AdaLoRA q,v (PEFT)": 1e-1,
+              "head only": 3e-2},
+}
+LRS["smoke"] = LRS["quick"]
+LRS["full"] = LRS["quick"]
+STATIC_MARGIN = 0.005      # claim (a): acc(DAF) - acc(static) >= 0.5 point
+ADALORA_SLACK = -0.005     # claim (b): acc(DAF) - acc(AdaLoRA) >= -0.5 point
+
+
+def budget_for(top_layers: int) -> int:
+    """``P``: rank-``R_QV`` LoRA on q and v of ``top_layers`` layers of width 384."""
+    return 2 * top_layers * R_QV * 2 * HIDDEN
+
+
+def _loss(model: nn.Module, batch: Batch) -> torch.Tensor:
+    return nn.functional.cross_entropy(model(**batch.inputs), batch.labels)
+
+
+class AdaLoraHook:
+    """AdaLoRA's per-step work in the shared loop: the orthogonality regulariser's gradient, then (after
+    the optimizer step, before ``zero_grad``) ``update_and_allocate(step)``, as PEFT's docs prescribe.
+
+    :meth:`optimizer` returns an AdamW factory (adapter and head groups, as the other rows) whose optimizer
+    runs these around its own step.
+    """
+
+    def __init__(self, tuner: nn.Module, orth_reg_weight: float = ORTH_REG) -> None:
+        self.tuner, self.weight, self.step = tuner, orth_reg_weight, 0
+
+    def regulariser(self) -> torch.Tensor | None:
+        """``mean over A, B of ||P P^T - I||_F`` (A: rows, B: columns), PEFT's formula."""
+        terms = []
+        for n, p in self.tuner.model.named_parameters():
+            if p.requires_grad and ("lora_A" in n or "lora_B" in n):
+                cov = p @ p.T if "lora_A" in n else p.T @ p
+                terms.append(torch.linalg.matrix_norm(cov - torch.eye(cov.shape[0], dtype=cov.dtype)))
+        return torch.stack(terms).mean() if terms else None
+
+    def optimizer(self, head: nn.Module, lr_adapter: float, lr_head: float):
+        """An AdamW factory (adapter group at ``lr_adapter``, head group at ``lr_head``) running the hook."""
+        head_ids = {id(p) for p in head.parameters()}
+        hook = self
+
+        class _Hooked(torch.optim.AdamW):
+            def step(self, closure=None):  # noqa: ANN001
+                if hook.weight > 0:
+                    with torch.enable_grad():
+                        reg = hook.regulariser()
+                        if reg is not None:
+                            (hook.weight * reg).backward()
+                out = super().step(closure)
+                hook.tuner.update_and_allocate(hook.step)
+                hook.step += 1
+                return out
+
+        def factory(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+            groups = [{"params": [p for p in params if id(p) not in head_ids], "lr": lr_adapter},
+                      {"params": [p for p in params if id(p) in head_ids], "lr": lr_head}]
+            return _Hooked([g for g in groups if g["params"]], weight_decay=0.0)
+        return factory
+
+    def final_params(self) -> int:
+        """Parameters of the ranks AdaLoRA keeps at the end: ``Σ_j nnz(E_j) (d_in + d_out + 1)``."""
+        total = 0
+        for _, m in self.tuner.model.named_modules():
+            E = getattr(m, "lora_E", None)
+            if isinstance(E, nn.ParameterDict) and "default" in E:
+                k = int((E["default"].detach() != 0).sum())
+                A, B = m.lora_A["default"], m.lora_B["default"]
+                total += k * (A.shape[1] + B.shape[0] + 1)
+        return total
+
+
+def _build(base: TopModel, analysis: list[Batch], S: dict[str, Any], seed: int, budget: int
+           ) -> tuple[dict[str, nn.Module], dict[str, Any]]:
+    import peft
+    from peft.tuners.adalora import AdaLoraModel
+
+    rows = S["rows"]
+    models: dict[str, nn.Module] = {}
+    hooks: dict[str, Any] = {}
+    cfg = daf.DAFConfig(lora_rank=R_DAF, lora_alpha=2.0 * R_DAF, budget_params=budget, analysis_every=S["analysis_every"],
+                        analysis_batches=S["analysis_batches"], seed=seed)
+    m = daf.adapt(copy.deepcopy(base), cfg, batches=analysis, loss_fn=_loss)
+    for p in m.classifier.parameters():
+        p.requires_grad_(True)
+    round0 = {"scores": {r["layer"]: r["score"] for r in daf.report(m)},
+              "selected": [r["layer"] for r in daf.report(m) if r["role"] == "training"]}
+    if "static (round 0 only)" in rows:
+        models["static (round 0 only)"] = copy.deepcopy(m)
+    models["DAF"] = m
+    if "LoRA q,v (PEFT)" in rows:
+        models["LoRA q,v (PEFT)"] = peft_inject(copy.deepcopy(base), peft.LoraConfig(
+            r=R_QV, lora_alpha=2 * R_QV, target_modules=list(QV)))
+    if "AdaLoRA q,v (PEFT)" in rows:
+        steps = S["steps"]
+        acfg = peft.AdaLoraConfig(init_r=2 * R_QV, target_r=R_QV, lora_alpha=4 * R_QV, target_modules=list(QV),
+                                  total_step=steps, tinit=max(0, int(0.1 * steps)), tfinal=max(1, int(0.3 * steps)),
+                                  deltaT=1, orth_reg_weight=ORTH_REG)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            tuner = AdaLoraModel(copy.deepcopy(base), acfg, "default")
+        for p in tuner.model.classifier.parameters():
+            p.requires_grad_(True)
+        models["AdaLoRA q,v (PEFT)"] = tuner
+        hooks["AdaLoRA q,v (PEFT)"] = AdaLoraHook(tuner)
+    if "head only" in rows:
+        h = copy.deepcopy(base)
+        for p in h.parameters():
+            p.requires_grad_(False)
+        for p in h.classifier.parameters():
+            p.requires_grad_(True)
+        models["head only"] = h
+    return {k: models[k] for k in S["rows"] if k in models}, {"hooks": hooks, "config": cfg, "round0": round0}
+
+
+def _train(models: dict[str, nn.Module], hooks: dict[str, Any], batches: list[Batch], analysis: list[Batch],
+           seed: int, lrs: dict[str, float], total: int
+           ) -> tuple[dict[str, Trainer], daf.DAFController | None, list[int]]:
+    trainers: dict[str, Trainer] = {}
+    for name, model in models.items():
+        lr_a = lrs[name]
+        lr_h = lr_a if name == "head only" else LR_HEAD
+        cfg = FinetuneConfig(lr=lr_a, steps=total, batch_size=len(batches[0]), seed=seed)
+        head = model.model.classifier if name in hooks else model.classifier
+        make = hooks[name].optimizer(head, lr_a, lr_h) if name in hooks else adapter_optimizer(head, lr_a, lr_h)
+        trainers[name] = Trainer(model, cfg, total, make)
+    ctl = None
+    callback = None
+    trace: list[int] = []
+    if "DAF" in models:
+        ctl = daf.DAFController(models["DAF"], analysis, _loss, total_steps=total)
+        daf_cb = ctl.callback(trainers["DAF"])
+        trace.append(daf.active_parameter_count(models["DAF"]))
+
+        def callback(i: int, losses: dict[str, float]) -> None:
+            daf_cb(i, losses)  # the analysis round for step i + 1, if due
+            if i + 1 < total:
+                trace.append(daf.active_parameter_count(models["DAF"]))
+    lockstep(trainers, batches, callback)
+    return trainers, ctl, trace
+
+
+def _setup(seed: int, S: dict[str, Any], bert: nn.Module, tok: Any, train: Sequence[tuple[str, int]]
+           ) -> tuple[TopModel, FrozenPrefix, list[Batch], list[Batch]]:
+    prefix = FrozenPrefix(bert, tok, len(bert.encoder.layer) - S["top_layers"], S["max_length"])
+    idx_train = batch_indices(len(train), S["steps"], S["batch_size"], seed)
+    idx_an = batch_indices(len(train), S["analysis_batches"], S["batch_size"], 10_000 + seed)
+    split = CachedSplit(prefix, train, [idx_train, idx_an])
+    base = TopModel(bert, S["top_layers"], len(LABELS), seed)
+    return base, prefix, split.batches(idx_train), split.batches(idx_an)
+
+
+def _run_seed(seed: int, S: dict[str, Any], bert: nn.Module, tok: Any, table: Table, extra: dict[str, Any]) -> None:
+    train, test = negation_task(seed, S["n_train"], S["n_test"])
+    base, prefix, batches, analysis = _setup(seed, S, bert, tok, train)
+    test_split = CachedSplit(prefix, test, keep_all=True)
+    budget = budget_for(S["top_layers"])
+    models, info = _build(base, analysis, S, seed, budget)
+    trainers, ctl, trace = _train(models, info["hooks"], batches, analysis, seed, S["lrs"], len(batches))
+    rec: dict[str, Any] = {"budget": budget, "round0": info["round0"], "losses": {}}
+    for row, model in models.items():
+        acc, _ = evaluate_cached(model, test_split.hidden, test_split.mask, test_split.labels)
+        table.add(row, "test accuracy", acc)
+        table.add(row, "final train loss", statistics.fmean(trainers[row].losses[-max(1, len(batches) // 5):]))
+        table.add(row, "median step (ms)", median_step_ms(trainers[row]))
+        if row == "AdaLoRA q,v (PEFT)":
+            table.add(row, "budget params (end)", info["hooks"][row].final_params())
+        elif row in ("DAF", "static (round 0 only)"):
+            table.add(row, "budget params (end)", daf.active_parameter_count(model))
+        elif row != "head only":
+            table.add(row, "budget params (end)", trainable_adapter_params(model))
+        rec["losses"][row] = trainers[row].losses
+    if ctl is not None:
+        table.add("DAF", "max budget params over steps", max(trace))
+        table.add("DAF", "rebuilds", sum(r.applied for r in ctl.history))
+        table.add("static (round 0 only)", "max budget params over steps",
+                  daf.active_parameter_count(models["static (round 0 only)"]))
+        rec["budget_trace"] = trace
+        rec["rounds"] = [{"step": r.step, "selected": r.selected, "previous": r.previous, "change": r.change,
+                          "applied": r.applied, "added": r.added, "frozen": r.frozen, "reactivated": r.reactivated,
+                          "active_params": r.active_params, "skipped": r.skipped,
+                          "scores": r.scores} for r in ctl.history]
+    extra.setdefault("seeds", {})[str(seed)] = rec
+
+
+def lr_sweep(grid: Sequence[float] = (1e-3, 3e-3, 1e-2), seed: int = 100, mode: str = "quick",
+             n_val: int = 400) -> dict[str, dict[float, float]]:
+    """Validation accuracy of every row at each adapter learning rate of ``grid`` (head at ``LR_HEAD``;
+    the head-only row sweeps the head's rate), on a development seed, with the settings of ``mode``,
+    training on the first ``n_train - n_val`` training sentences and scoring the last ``n_val``
+    (never the test set). Every row gets the same grid and the same budget; :data:`LRS` holds the winners.
+    """
+    from rankwise import zoo
+
+    S = dict(SETTINGS[mode])
+    bert, tok = zoo.minilm()
+    pool, _ = negation_task(seed, S["n_train"], S["n_test"])
+    train, val = pool[: len(pool) - n_val], pool[len(pool) - n_val:]
+    base, prefix, batches, analysis = _setup(seed, S, bert, tok, train)
+    val_split = CachedSplit(prefix, val, keep_all=True)
+    out: dict[str, dict[float, float]] = {}
+    for lr in grid:
+        models, info = _build(base, analysis, S, seed, budget_for(S["top_layers"]))
+        _train(models, info["hooks"], batches, analysis, seed, {r: lr for r in models}, len(batches))
+        for row, model in models.items():
+            out.setdefault(row, {})[lr] = evaluate_cached(model, val_split.hidden, val_split.mask, val_split.labels)[0]
+    return out
+
+
+def _figures(table: Table, extra: dict[str, Any], out_dir: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = list(table.rows)
+    first = extra["seeds"][next(iter(extra["seeds"]))]
+    fig, ax = plt.subplots(1, 3, figsize=(15, 4))
+    means = [table.mean(r, "test accuracy") for r in rows]
+    stds = [table.std(r, "test accuracy") for r in rows]
+    ax[0].barh(rows, means, xerr=stds, color="tab:blue")
+    ax[0].set_xlabel("test accuracy")
+    ax[0].set_xlim(max(0.0, min(means) - 0.1), 1.0)
+    ax[0].set_title("negated sentiment x topic, MiniLM")
+    if "budget_trace" in first:
+        ax[1].plot(first["budget_trace"], label="DAF training params")
+        ax[1].axhline(first["budget"], color="k", ls="--", label="budget P")
+        for r in first.get("rounds", []):
+            ax[1].axvline(r["step"], color="tab:red" if r["applied"] else "tab:gray", ls=":")
+        ax[1].set_xlabel("step")
+        ax[1].set_ylabel("budget-counted parameters")
+        ax[1].legend(fontsize=7)
+        ax[1].set_title("budget invariant (red: applied rebuild)")
+    for row, losses in first["losses"].items():
+        k = max(1, len(losses) // 10)
+        ax[2].plot([statistics.fmean(losses[max(0, i - k):i + 1]) for i in range(len(losses))], label=row)
+    ax[2].set_xlabel("step")
+    ax[2].set_ylabel("training loss (running mean)")
+    ax[2].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out_dir / "daf_accuracy_budget_loss.png", dpi=110)
+    plt.close(fig)
+    return ["daf_accuracy_budget_loss.png"]
+
+
+def run(mode: str, seeds: Sequence[int], out_dir: Path) -> ReproResult:
+    """Run the DAF reproduction in ``mode`` ("smoke", "quick", "full") over ``seeds``; see the module docstring."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    seeds = list(seeds)
+    if not seeds:
+        raise ValueError("seeds must not be empty")
+    from rankwise import zoo
+
+    t0 = time.perf_counter()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    S = dict(SETTINGS[mode], lrs=LRS[mode])
+    bert, tok = zoo.minilm()
+    table = Table(columns=["test accuracy", "final train loss", "budget params (end)", "max budget params over steps",
+                           "rebuilds", "median step (ms)"],
+                  notes={"budget params (end)": "adapter parameters the budget counts at the end (DAF: training units; "
+                                                "AdaLoRA: kept ranks incl. singular values; head excluded)",
+                         "rebuilds": "analysis rounds after step 0 whose change test passed"})
+    extra: dict[str, Any] = {}
+    for seed in seeds:
+        _run_seed(seed, S, bert, tok, table, extra)
+    budget = budget_for(S["top_layers"])
+    acc = {r: table.mean(r, "test accuracy") for r in table.rows}
+    max_active = max(table.values("DAF", "max budget params over steps"))
+    checks = [
+        ClaimCheck("(a) test accuracy DAF - static allocation (round 0 only), mean over seeds",
+                   acc["DAF"] - acc["static (round 0 only)"], ">=", STATIC_MARGIN, unit="acc"),
+        ClaimCheck("(b) test accuracy DAF - AdaLoRA q,v (PEFT) at equal final budget, mean over seeds",
+                   acc["DAF"] - acc["AdaLoRA q,v (PEFT)"], ">=", ADALORA_SLACK, unit="acc"),
+        ClaimCheck("(c) DAF budget-counted parameters minus P, maximum over steps and seeds", max_active - budget, "<=",
+                   0, unit="params", note="exact invariant (frozen units are free, as in the paper)"),
+    ]
+    rounds = [r for s in extra["seeds"].values() for r in s.get("rounds", [])]
+    applied = sum(r["applied"] for r in rounds)
+    changes = [round(r["change"], 3) for r in rounds]
+    notes = (
+        f"MiniLM top {S['top_layers']} layer(s) adapted (6 candidate matrices each; lower layers cached), "
+        f"{S['steps']} steps of batch {S['batch_size']}, analysis every {S['analysis_every']} steps on "
+        f"{S['analysis_batches']} fixed batches (train mode, seeded). Budget P = {budget} (rank-{R_QV} LoRA on q,v); "
+        f"DAF units rank {R_DAF}, greedy by S/cost until P (units that do not fit are passed over). Rounds after step 0: "
+        f"{len(rounds)}, applied {applied}, change fractions {changes} (threshold 0.10). AdaLoRA on q,v with "
+        f"target_r={R_QV} (init_r={2 * R_QV}); its orthogonality regulariser is added to the gradients after clipping. "
+        "Learning rates from one equal sweep per row on a development seed (LRS). Accuracy margins of a few "
+        "tenths of a point are within seed noise at this scale (tens of steps, a synthetic 4-class task): "
+        "claims (a) and (b) are qualitative here; (c) is exact.")
+    result = ReproResult(
+        id=ID, mode=mode, seeds=seeds, claim=CLAIM, table=table, checks=checks, figures=_figures(table, extra, out_dir),
+        notes=notes,
+        config={"settings": {k: v for k, v in S.items() if k != "lrs"}, "lrs": dict(LRS[mode]), "budget": budget,
+                "daf_rank": R_DAF, "lora_qv_rank": R_QV, "adalora": {"init_r": 2 * R_QV, "target_r": R_QV,
+                                                                     "tinit": 0.1, "tfinal": 0.3, "orth_reg": ORTH_REG},
+                "lr_head": LR_HEAD},
+        wall_time_s=time.perf_counter() - t0, environment=environment(seeds), extra=extra)
+    result.save(out_dir)
+    return result
