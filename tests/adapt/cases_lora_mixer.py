@@ -42,4 +42,5 @@ def cases(contract) -> list:
     return [
         make("lora_mixer-top2", top_k_infer=2),
         make("lora_mixer-top1-raw", top_k_infer=1, renormalize=False),
+        make("lora_mixer-shared-router", top_k_infer=2, share_router="layer"),
     ]

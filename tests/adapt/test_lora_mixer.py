@@ -344,3 +344,22 @@ def test_rank_too_large_leaves_model_unchanged():
         lm.adapt(model, _cfg(rank=64), target=("query",))
     assert [(n, type(m)) for n, m in model.named_modules()] == before
     assert math.isfinite(float(contract.forward(model, "bert").sum()))
+
+
+def test_shared_router_per_layer(tmp_path):
+    model = lm.adapt(_bert(), _cfg(share_router="layer"), target=QKVO)
+    layer0 = model.encoder.layer[0].attention
+    q, k, v = (getattr(layer0.self, n).mixer["default"] for n in ("query", "key", "value"))
+    o = layer0.output.dense.mixer["default"]
+    assert q.router is k.router is v.router and o.router is not q.router
+    own = sum(p.numel() for n, p in model.named_parameters() if p.requires_grad and "router" in n)
+    assert own == 2 * 2 * 3 * 32  # two routers (QKV, O) per layer, E = 3, d = 32
+    contract.perturb_trainable(model, 5, std=0.3)
+    y = contract.forward(model, "bert")
+    lm.save_adapter(model, tmp_path / "s")
+    fresh = lm.load_adapter(_bert(), tmp_path / "s")
+    fq = fresh.encoder.layer[0].attention.self.query.mixer["default"]
+    assert fq.router is fresh.encoder.layer[0].attention.self.value.mixer["default"].router
+    assert torch.equal(contract.forward(fresh, "bert"), y)
+    with pytest.raises(ValueError, match="share_router"):
+        LoRAMixerConfig(share_router="model")

@@ -86,6 +86,9 @@ __all__ = [
 ]
 
 FUSIONS = ("soft", "topk", "hard")
+SHARE = ("none", "layer")
+#: Projections that read the same input within a layer (their router is shared with share_router="layer").
+_QKV = ("query", "key", "value", "q_proj", "k_proj", "v_proj")
 F_DEFINITIONS = ("topk", "top1")
 STAGES = ("experts", "router", "all")
 CONFIG_FILE = "adapter_config.json"
@@ -128,6 +131,8 @@ class LoRAMixerConfig:
         f_definition: "topk" (f_bar = top-k slot share / k, default; = Eq. 3 for k = 1) or "top1" (Eq. 3).
         preserve_beta: beta of the expert-preservation term (Eq. 11; choice 1e-3).
         router_std: std of the router's normal initialisation (0.02).
+        share_router: "none" (default: one router per projection; choice) or "layer" (one router shared by the
+            query/key/value projections of a layer, which read the same input).
         seed: seeds the initialisation; None: the global RNG.
     """
 
@@ -144,6 +149,7 @@ class LoRAMixerConfig:
     f_definition: str = "topk"
     preserve_beta: float = 1e-3
     router_std: float = 0.02
+    share_router: str = "none"
     seed: int | None = 0
 
     def __post_init__(self) -> None:
@@ -179,6 +185,8 @@ class LoRAMixerConfig:
             raise ValueError(f"LoRAMixerConfig.entropy_sign must be +1 or -1, got {self.entropy_sign!r}")
         if self.f_definition not in F_DEFINITIONS:
             raise ValueError(f"LoRAMixerConfig.f_definition must be one of {F_DEFINITIONS}, got {self.f_definition!r}")
+        if self.share_router not in SHARE:
+            raise ValueError(f"LoRAMixerConfig.share_router must be one of {SHARE}, got {self.share_router!r}")
         if not _number(self.router_std) or float(self.router_std) <= 0:
             raise ValueError(f"LoRAMixerConfig.router_std must be a finite number > 0, got {self.router_std!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
@@ -478,6 +486,11 @@ def _base(m: nn.Module) -> nn.Linear:
     return m.base_layer if isinstance(m, LoRAMixerLinear) else m
 
 
+def _router_group(lname: str) -> str | None:
+    parent, _, last = lname.rpartition(".")
+    return parent if last in _QKV else None
+
+
 def _read_expert(src: ExpertSource, k: int) -> tuple[AdapterState, str]:
     if isinstance(src, AdapterState):
         return src, f"expert {k} (AdapterState)"
@@ -542,6 +555,7 @@ def adapt(model: nn.Module, config: LoRAMixerConfig | None = None, target: Selec
               "dropout": config.dropout, "rsl_alpha": config.rsl_alpha, "rsl_lambda": config.rsl_lambda,
               "entropy_sign": config.entropy_sign, "f_definition": config.f_definition,
               "preserve_beta": config.preserve_beta, "router_std": config.router_std}
+    shared: dict[str, _Mixer] = {}
     with _all_or_nothing(model):
         for lname, mod in hits:
             layer = mod if isinstance(mod, LoRAMixerLinear) else LoRAMixerLinear(mod, layer_name=lname)
@@ -563,8 +577,14 @@ def adapt(model: nn.Module, config: LoRAMixerConfig | None = None, target: Selec
                         mx.B[e].copy_(s.factors[lname]["lora_B"])
                         mx.reference[e] = (mx.A[e].detach().clone(), mx.B[e].detach().clone())
                 mx.frozen = [bool(freeze_experts)] * config.num_experts
+            group = _router_group(lname) if config.share_router == "layer" else None
+            if group is not None:
+                if group in shared and shared[group].router.shape == mx.router.shape:
+                    mx.router = shared[group].router          # the same Parameter: one router for Q/K/V
+                else:
+                    shared[group] = mx
             layer.mixer[name] = mx
-            layer.adapter_config[name] = dict(record, ranks=ranks, scalings=scalings,
+            layer.adapter_config[name] = dict(record, ranks=ranks, scalings=scalings, router_group=group,
                                               sources=[src for _, src in loaded] or None)
             layer.active_adapters = [name]
         for _, layer in mixer_layers(model):
@@ -873,6 +893,7 @@ def load_adapter(model: nn.Module, directory: str | Path, name: str = "default",
                 del layer.mixer[name]
                 layer.adapter_config.pop(name, None)
                 layer.active_adapters = [n for n in layer.active_adapters if n != name]
+        tied: dict[str, _Mixer] = {}
         for m, cfg in modules.items():
             mod = model.get_submodule(m)
             layer = mod if isinstance(mod, LoRAMixerLinear) else LoRAMixerLinear(mod, layer_name=m)
@@ -891,6 +912,15 @@ def load_adapter(model: nn.Module, directory: str | Path, name: str = "default",
                     if cfg.get("sources"):
                         mx.reference[e] = (mx.A[e].detach().clone(), mx.B[e].detach().clone())
             mx.frozen = list(cfg["frozen"])
+            group = cfg.get("router_group")
+            if isinstance(group, str):
+                if group in tied and tied[group].router.shape == mx.router.shape:
+                    if not torch.equal(tied[group].router.detach(), mx.router.detach()):
+                        raise ArtifactError(f"{path}: module {m!r} shares the router of group {group!r} but its "
+                                            "stored router differs")
+                    mx.router = tied[group].router
+                else:
+                    tied[group] = mx
             layer.mixer[name] = mx
             layer.adapter_config[name] = {k: v for k, v in cfg.items() if k != "frozen"}
             layer.active_adapters = [name]
