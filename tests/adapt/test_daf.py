@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import copy
 import math
-import warnings
 
 import pytest
 import torch
@@ -128,7 +126,6 @@ def test_sensitivity_pass_restores_flags_and_leaves_no_grad_on_peft_params():
     head_like = model[6] if not isinstance(model[6], daf.DAFLinear) else model[6].base_layer
     head_like.bias.requires_grad_(True)  # a trainable non-adapter parameter
     flags = {n: p.requires_grad for n, p in model.named_parameters()}
-    modes = {n: m.training for n, m in model.named_modules()}
     model.train()
     modes = {n: m.training for n, m in model.named_modules()}
     ctl = daf.DAFController(model, data(), loss_fn, total_steps=10)

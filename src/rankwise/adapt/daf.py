@@ -886,7 +886,8 @@ def adapt(model: nn.Module, config: DAFConfig | None = None, target: Selector = 
         if unknown:
             raise SelectionError(f"selection {unknown[:3]} are not candidates; candidates: {list(costs)[:10]}")
         if sum(costs[s] for s in selection) > budget:
-            raise ValueError(f"selection costs {sum(costs[s] for s in selection)} parameters, above the budget {budget}")
+            raise ValueError(f"selection costs {sum(costs[s] for s in selection)} parameters, above the "
+                             f"budget {budget}")
         scores: dict[str, float] | None = None
         selected = selection
     else:

@@ -170,7 +170,8 @@ def _build(base: TopModel, analysis: list[Batch], S: dict[str, Any], seed: int, 
     rows = S["rows"]
     models: dict[str, nn.Module] = {}
     hooks: dict[str, Any] = {}
-    cfg = daf.DAFConfig(lora_rank=R_DAF, lora_alpha=2.0 * R_DAF, budget_params=budget, analysis_every=S["analysis_every"],
+    cfg = daf.DAFConfig(lora_rank=R_DAF, lora_alpha=2.0 * R_DAF, budget_params=budget,
+                        analysis_every=S["analysis_every"],
                         analysis_batches=S["analysis_batches"], seed=seed)
     m = daf.adapt(copy.deepcopy(base), cfg, batches=analysis, loss_fn=_loss)
     for p in m.classifier.parameters():
@@ -375,7 +376,8 @@ def run(mode: str, seeds: Sequence[int], out_dir: Path) -> ReproResult:
         f"MiniLM top {S['top_layers']} layer(s) adapted (6 candidate matrices each; lower layers cached), "
         f"{S['steps']} steps of batch {S['batch_size']}, analysis every {S['analysis_every']} steps on "
         f"{S['analysis_batches']} fixed batches (train mode, seeded). Budget P = {budget} (rank-{R_QV} LoRA on q,v); "
-        f"DAF units rank {R_DAF}, greedy by S/cost until P (units that do not fit are passed over). Rounds after step 0: "
+        f"DAF units rank {R_DAF}, greedy by S/cost until P (units that do not fit are passed over). "
+        "Rounds after step 0: "
         f"{len(rounds)}, applied {applied}, change fractions {changes} (threshold 0.10). AdaLoRA on q,v with "
         f"target_r={R_QV} (init_r={2 * R_QV}); its orthogonality regulariser is added to the gradients after clipping. "
         "Learning rates from one equal sweep per row on a development seed (LRS). Accuracy margins of a few "
