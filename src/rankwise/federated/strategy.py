@@ -344,6 +344,8 @@ class LoRAStrategyLogic:
     def evaluate(self, server_round: int, parameters: Any) -> tuple[float, dict[str, Any]] | None:
         """Server-side evaluation of the global adapter with ``evaluate_fn`` (None without one)."""
         rnd = server_round + self._offset
+        if server_round == 0 and self._offset > 0:  # a resumed run: round `offset` was evaluated before the checkpoint
+            return None
         result = None
         if self.evaluate_fn is not None:
             out = self.evaluate_fn(self.global_adapter, self.global_head)  # None: skipped this round

@@ -217,6 +217,8 @@ def run(mode: str, seeds: Sequence[int], out_dir: Path) -> ReproResult:
     out_dir.mkdir(parents=True, exist_ok=True)
     S = SETTINGS[mode]
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+    import flwr.server  # noqa: F401  (flwr sets its logger's level when imported; set ours after)
+
     flwr_log = logging.getLogger("flwr")
     old_level = flwr_log.level
     flwr_log.setLevel(logging.WARNING)
