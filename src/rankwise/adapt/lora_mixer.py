@@ -535,7 +535,8 @@ def adapt(model: nn.Module, config: LoRAMixerConfig | None = None, target: Selec
     if experts is not None:
         if isinstance(experts, (str, Path, AdapterState)) or len(experts) != config.num_experts:
             n = 1 if isinstance(experts, (str, Path, AdapterState)) else len(experts)
-            raise ValueError(f"LoRA-Mixer: {n} expert(s) given for num_experts={config.num_experts}; give one per expert")
+            raise ValueError(f"LoRA-Mixer: {n} expert(s) given for num_experts={config.num_experts}; "
+                             "give one per expert")
         loaded = [_read_expert(src, k) for k, src in enumerate(experts)]
         names = {n for n, _ in hits}
         for state, src in loaded:
@@ -884,7 +885,8 @@ def load_adapter(model: nn.Module, directory: str | Path, name: str = "default",
             want[f"{m}.mixer_B.{e}"] = (b.out_features, r)
         bad = [k for k, s in want.items() if tuple(tensors[k].shape) != s]
         if bad or len({tensors[k].dtype for k in want}) != 1:
-            problems.append(f"module {m!r}: tensors {bad[:3] or 'dtypes'} do not fit ({b.out_features}, {b.in_features})")
+            problems.append(f"module {m!r}: tensors {bad[:3] or 'dtypes'} do not fit "
+                            f"({b.out_features}, {b.in_features})")
     if problems:
         raise ArtifactError(f"{path} does not fit this model: {'; '.join(problems[:5])}")
     with _all_or_nothing(model):

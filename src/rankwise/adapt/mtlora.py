@@ -189,11 +189,13 @@ class MtLoRAConfig:
             raise ValueError(f"MtLoRAConfig.spectral_basis must be one of {BASES}, got {self.spectral_basis!r}")
         target = (self.target,) if isinstance(self.target, str) else self.target
         if not isinstance(target, (tuple, list)) or not target or not all(isinstance(t, str) and t for t in target):
-            raise ValueError(f"MtLoRAConfig.target must be a non-empty tuple of module-name patterns, got {self.target!r}")
+            raise ValueError("MtLoRAConfig.target must be a non-empty tuple of module-name patterns, "
+                             f"got {self.target!r}")
         object.__setattr__(self, "target", tuple(target))
         pairs = self.block_pairs
         if not isinstance(pairs, (tuple, list)) or not all(
-                isinstance(p, (tuple, list)) and len(p) == 2 and all(isinstance(s, str) and s for s in p) for p in pairs):
+                isinstance(p, (tuple, list)) and len(p) == 2 and all(isinstance(s, str) and s for s in p)
+                for p in pairs):
             raise ValueError("MtLoRAConfig.block_pairs must be a tuple of (input suffix, output suffix) string pairs, "
                              f"got {self.block_pairs!r}")
         object.__setattr__(self, "block_pairs", tuple(tuple(p) for p in pairs))
@@ -536,7 +538,8 @@ def _plan(model: nn.Module, config: MtLoRAConfig, target: Selector) -> list[tupl
                 out.append((None, n))
         if not out:
             lin = [n for n in names if isinstance(model.get_submodule(n), (nn.Linear, MtLoRALinear))]
-            raise SelectionError(f"mtLoRA (placement='component'): target {config.target if target is None else target!r} "
+            shown_target = config.target if target is None else target
+            raise SelectionError(f"mtLoRA (placement='component'): target {shown_target!r} "
                                  f"matched no Linear layer. Available Linear layers: {', '.join(lin[:40]) or 'none'}")
         return list(dict.fromkeys(out))
     kinds = ("attention", "ffn") if config.placement == "both" else (config.placement,)
@@ -887,7 +890,8 @@ def load_adapter(model: nn.Module, directory: str | Path, name: str = "default",
         d_out = _base_linear(out).out_features
         r, e, gs = cfg["rank"], cfg["num_experts"], cfg["routing_group_size"]
         shapes = {"A": (r, d_in), "B": (e, d_out, r), "router": ((d_out // gs) * e, d_in)}
-        bad = [k for k in shapes if f"{m}.mtlora_{k}" in tensors and tuple(tensors[f"{m}.mtlora_{k}"].shape) != shapes[k]]
+        bad = [k for k in shapes
+               if f"{m}.mtlora_{k}" in tensors and tuple(tensors[f"{m}.mtlora_{k}"].shape) != shapes[k]]
         if d_out % gs or bad or len({tensors[k].dtype for k in tensors if k.startswith(m + ".mtlora_")}) != 1:
             problems.append(f"module {m!r}: tensors {bad or 'dtypes/group size'} do not fit d_in={d_in}, "
                             f"d_out={d_out}, r={r}, E={e}, group size {gs}")

@@ -10,7 +10,8 @@ token representations.
 
 Regime (i), hard-soft (Sec. 3.2-3.3):
   stage 1: hard routing — each training example goes to the expert of its task; experts and head train
-  (Adam 1e-3 for the experts as in the spec, 1e-2 for the head as in every row that trains a head, batch 32); stage 2: the head and experts frozen, routers only (Adam 1e-2, 5 epochs, batch
+  (Adam 1e-3 for the experts as in the spec, 1e-2 for the head as in every row that trains a head,
+  batch 32); stage 2: the head and experts frozen, routers only (Adam 1e-2, 5 epochs, batch
   16) on a small mixed routing set (16/32/64 examples per task), soft fusion, with the task loss plus
   the aux loss only (Eq. 3), the RSL (default sign, entropy lowered) or the RSL as printed (sign -1);
   inference keeps the top K = 2 experts (``K = E`` gives the dense row).
@@ -453,7 +454,8 @@ def run(mode: str, seeds: Sequence[int], out_dir: Path) -> ReproResult:
     figures = _figures(per_seed, S, out_dir, table)
     first = per_seed[str(seeds[0])]
     printed = statistics.fmean(s["rows"]["LoRA-Mixer RSL printed sign (-1)"]["mean_acc"] for s in per_seed.values())
-    ent = {k: statistics.fmean(s["rows"][k]["entropy_after"] - s["rows"][k]["entropy_before"] for s in per_seed.values())
+    ent = {k: statistics.fmean(s["rows"][k]["entropy_after"] - s["rows"][k]["entropy_before"]
+                               for s in per_seed.values())
            for k in (rsl, aux, "LoRA-Mixer RSL printed sign (-1)")}
     notes = (
         f"MiniLM top {S['top_layers']} block(s) with LoRA-Mixer on {', '.join(TARGETS)} (lower blocks cached; the spec "
@@ -462,10 +464,12 @@ def run(mode: str, seeds: Sequence[int], out_dir: Path) -> ReproResult:
         f"most {S['max_train']} train / {S['max_test']} test per task, {first['n_train']} training examples, "
         f"stage 1 {first['stage1_steps']} steps ({S['epochs1']} epochs; the zoo tasks are smaller than the spec's "
         f"600/task), stage 2 routers only, {S['route_epochs']} epochs, Adam {LR_ROUTER}, routing sets "
-        f"{list(S['route_sizes'])} examples per task. E = {T}, r = {RANK}, alpha = {ALPHA}, inference top-{min(TOP_K, T)}. "
+        f"{list(S['route_sizes'])} examples per task. E = {T}, r = {RANK}, alpha = {ALPHA}, "
+        f"inference top-{min(TOP_K, T)}. "
         f"RSL: alpha 0.01 (with the factor E), lambda 0.01, f_bar = top-k slot share / k. Printed-sign RSL "
         f"(entropy_sign=-1), reported without a margin: mean accuracy {printed:.4f}. Entropy change in stage 2 "
-        f"(normalised): RSL {ent[rsl]:+.4f}, aux {ent[aux]:+.4f}, printed sign {ent['LoRA-Mixer RSL printed sign (-1)']:+.4f}. "
+        f"(normalised): RSL {ent[rsl]:+.4f}, aux {ent[aux]:+.4f}, "
+        f"printed sign {ent['LoRA-Mixer RSL printed sign (-1)']:+.4f}. "
         f"Parameter ratio LoRA-Mixer / FFN MoE-LoRA (equal E, r; counted): {ratio:.3f} — on a 384-wide BERT the FFN "
         "experts (384 <-> 1536) are only 1.25x the four 384x384 projections' experts, so the paper's ~48 % (which "
         "compares with MixLoRA's FFN experts plus its attention LoRAs on a 7B model) is not a property of placement "
