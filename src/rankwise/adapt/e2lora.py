@@ -205,7 +205,8 @@ class E2LoRAConfig:
             except re.error as e:
                 raise ValueError(f"E2LoRAConfig.depth_regex {self.depth_regex!r} is not a valid regex: {e}") from None
             if rx.groups < 1:
-                raise ValueError(f"E2LoRAConfig.depth_regex {self.depth_regex!r} needs a group capturing the layer index")
+                raise ValueError(f"E2LoRAConfig.depth_regex {self.depth_regex!r} needs a group capturing the "
+                                 "layer index")
         if not _number(self.dropout) or not 0.0 <= float(self.dropout) < 1.0:
             raise ValueError(f"E2LoRAConfig.dropout must be in [0, 1), got {self.dropout!r}")
         object.__setattr__(self, "dropout", float(self.dropout))
@@ -779,7 +780,8 @@ def group_layers(names: Sequence[str], depth_regex: str | None = DEFAULT_DEPTH_R
     return {k: sorted(v) for k, v in groups.items()}
 
 
-def _types_of(hits: Sequence[tuple[str, nn.Module]], config: E2LoRAConfig) -> dict[str, tuple[list[str], tuple[int, int]]]:
+def _types_of(hits: Sequence[tuple[str, nn.Module]], config: E2LoRAConfig
+              ) -> dict[str, tuple[list[str], tuple[int, int]]]:
     """``{type key: (layer names by depth, (d_out, d_in))}``; different shapes inside one type raise ValueError."""
     mods = dict(hits)
     out = {}
@@ -797,7 +799,8 @@ def _types_of(hits: Sequence[tuple[str, nn.Module]], config: E2LoRAConfig) -> di
                              f"[1, {min(d_in, d_out)}]")
         out[key] = (names, (d_out, d_in))
     if config.granularity == "block":
-        depth_sets = {k: tuple(d for d, _ in v) for k, v in group_layers([n for n, _ in hits], config.depth_regex).items()}
+        groups = group_layers([n for n, _ in hits], config.depth_regex)
+        depth_sets = {k: tuple(d for d, _ in v) for k, v in groups.items()}
         if len(set(depth_sets.values())) != 1:
             raise ValueError(f"granularity='block' needs every module type at the same depths, got {depth_sets}")
     return out
@@ -863,7 +866,8 @@ def collect_gradients(model: nn.Module, layers: Sequence[tuple[str, nn.Module]],
                 shape = f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else ""
                 raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}{shape}")
             if not bool(torch.isfinite(loss)):
-                raise NumericalError(f"calibration loss is {float(loss.detach())} on batch {i}; the entropies are undefined")
+                raise NumericalError(f"calibration loss is {float(loss.detach())} on batch {i}; the entropies are "
+                                     "undefined")
             if not loss.requires_grad:
                 raise ValueError("the calibration loss does not depend on the targeted weights (a detached graph or "
                                  "no_grad); E²LoRA needs dL/dW of every targeted layer")
@@ -951,7 +955,8 @@ def plan_e2lora(model: nn.Module, calib: Iterable[Any] | None, loss_fn: LossFn |
             g = gradients.get(n)
             base = _base_of(mods[n])
             if not isinstance(g, torch.Tensor) or tuple(g.shape) != (base.out_features, base.in_features):
-                raise ValueError(f"gradients[{n!r}] must be a tensor of shape ({base.out_features}, {base.in_features})")
+                raise ValueError(f"gradients[{n!r}] must be a tensor of shape "
+                                 f"({base.out_features}, {base.in_features})")
             g = g.detach().to(torch.float64)
             if not bool(torch.isfinite(g).all()):
                 raise NumericalError(f"layer {n!r}: the gradient holds NaN or inf")
@@ -1307,7 +1312,8 @@ def load_adapter(model: nn.Module, directory: str | Path, name: str = "default",
             raise ArtifactError(f"{path}: bad metadata for module {m!r}")
         used |= {f"factor.{cfg['A']}", f"factor.{cfg['B']}"}
     if used != set(tensors):
-        raise ArtifactError(f"{path}: tensors do not match the module table (missing {sorted(used - set(tensors))[:4]}, "
+        raise ArtifactError(f"{path}: tensors do not match the module table "
+                            f"(missing {sorted(used - set(tensors))[:4]}, "
                             f"unexpected {sorted(set(tensors) - used)[:4]})")
     if len({t.dtype for t in tensors.values()}) != 1 or not all(t.ndim == 2 for t in tensors.values()):
         raise ArtifactError(f"{path}: factors must be 2-D tensors of one dtype")
