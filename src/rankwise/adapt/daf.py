@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import math
 import re
 import warnings
@@ -110,6 +111,7 @@ ROLES = ("candidate", "training", "frozen")
 BERT_CANDIDATES = ("query", "key", "value", "attention.output.dense", "intermediate.dense", "output.dense")
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
+log = logging.getLogger(__name__)
 
 
 def _pos_int(value: Any) -> bool:
@@ -1047,6 +1049,9 @@ class DAFController:
         for layer in layers.values():
             layer.adapter_config[self.name]["round"] = self.rounds_done
         rnd.active_params = active_parameter_count(self.model, self.name)
+        log.info("DAF round %d at step %d: change %.3f (%s); selected %s; added %s, frozen %s, reactivated %s; "
+                 "%d / %d budget parameters", self.rounds_done, step, change, "applied" if applied else "kept",
+                 selected, rnd.added, rnd.frozen, rnd.reactivated, rnd.active_params, self.budget)
         if rnd.active_params > self.budget:
             raise RankwiseError(f"internal: DAF active parameters {rnd.active_params} exceed the budget {self.budget}")
         self.history.append(rnd)
