@@ -56,6 +56,7 @@ SMOKE_RECIPE = {"version": 1, "model": "all-MiniLM-L6-v2", "top_layers": 1,
                 "lr": 1e-3, "head_lr": 1e-2, "epochs": 1, "batch_size": 16, "max_length": 16, "max_train": 80,
                 "n_val": 16, "max_test": 32, "head_std": 0.02}
 SETTINGS: dict[str, dict[str, Any]] = {
+    # smoke trains its tiny LoRAs in memory (no cache writes); quick/full use the cached RECIPE LoRAs
     "smoke": dict(tasks=("topic", "kind"), recipe=SMOKE_RECIPE, lambdas=(1.0,), topks=(), betas=(), full_rows=False),
     "quick": dict(tasks=("topic", "kind", "private"), recipe=None, lambdas=(0.5, 1.0, 1.5), topks=(), betas=(),
                   full_rows=False),
@@ -249,7 +250,7 @@ def _run_seed(seed: int, S: dict[str, Any], bert: nn.Module, tok: Any, table: Ta
     recipe = S["recipe"] or RECIPE
     tasks = S["tasks"] or TASKS
     t0 = time.perf_counter()
-    loras = [task_lora(t, seed, recipe=recipe, bert=bert, tokenizer=tok) for t in tasks]
+    loras = [task_lora(t, seed, recipe=recipe, bert=bert, tokenizer=tok, cache=S["recipe"] is None) for t in tasks]
     t_train = time.perf_counter() - t0
     datas = [task_data(t, seed, recipe) for t in tasks]
     ev = Evaluator(bert, tok, loras, datas, recipe)

@@ -188,15 +188,16 @@ def _train(task: str, seed: int, R: dict[str, Any], bert: nn.Module, tok: Any) -
 
 
 def task_lora(task: str, seed: int = 0, *, recipe: dict[str, Any] | None = None, rebuild: bool = False,
-              bert: nn.Module | None = None, tokenizer: Any = None) -> TaskLoRA:
+              bert: nn.Module | None = None, tokenizer: Any = None, cache: bool = True) -> TaskLoRA:
     """The cached LoRA + head of ``task`` for ``seed`` (trained on first use; ``rebuild`` retrains).
 
     ``bert``/``tokenizer``: an already loaded :func:`rankwise.zoo.minilm` (saves loading it again).
+    ``cache=False`` trains in memory and neither reads nor writes the cache (smoke runs, tests).
     A damaged cache folder raises ArtifactError (rebuild with ``rebuild=True``).
     """
     R = dict(recipe or RECIPE)
     path = task_lora_path(task, seed, R)
-    if path.is_dir() and not rebuild:
+    if cache and path.is_dir() and not rebuild:
         try:
             info = io.read_json(path / "info.json")
             state = AdapterState.load(path / "adapter.safetensors")
@@ -214,6 +215,8 @@ def task_lora(task: str, seed: int = 0, *, recipe: dict[str, Any] | None = None,
     metrics["train_wall_s"] = time.perf_counter() - t0
     metrics["train_cpu_s"] = time.process_time() - c0
     labels = list(text_task(task, seed=seed, max_train=R["max_train"], max_test=R["max_test"]).labels)
+    if not cache:
+        return TaskLoRA(task, seed, labels, state, head, metrics, path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
     try:
