@@ -291,3 +291,13 @@ def test_save_load_keeps_placement(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert mtlora.adapter_names(fresh) == ["default"]
+
+
+def test_spectrum_report():
+    model = mtlora.adapt(_bert(), MtLoRAConfig(rank=4, alpha=8, num_experts=3))
+    rows = mtlora.spectrum_report(model)
+    assert len(rows) == 2 * 3 and all(r["singular_values"] == [0.0] * 4 for r in rows)
+    assert all(r["weights"] == [1.0] * 4 for r in rows)  # degenerate B: uniform weights
+    _perturb(model)
+    s = mtlora.spectrum_report(model)[0]["singular_values"]
+    assert s == sorted(s, reverse=True) and s[0] > 0

@@ -89,6 +89,7 @@ __all__ = [
     "spectral_due",
     "spectral_penalty",
     "spectral_weights",
+    "spectrum_report",
     "unload",
     "unmerge",
 ]
@@ -758,8 +759,9 @@ def mtlora_regularizers(model: nn.Module, step: int, name: str | None = None) ->
     ``L_bal`` sums :func:`balance_loss` over the adapters' routing weights of the last forward pass
     (run the model first; tokens are not masked, as in HydraLoRA). ``L_spec`` is the mean of
     :func:`spectral_penalty` over the experts ``B_i`` of every adapter, at most
-    ``spectral_max_matrices`` of them (a sample drawn from ``Generator(step)``). The weights come from
-    each adapter's config. ``name``: one adapter (default: the active ones). A non-finite result
+    ``spectral_max_matrices`` of them (a sample drawn from ``Generator(step)``). ``balance_alpha`` comes
+    from each adapter's config; the spectral settings (lambda, schedule, basis, sample size) from the
+    first adapter's. ``name``: one adapter (default: the active ones). A non-finite result
     raises :class:`NumericalError`.
     """
     ads = _active(model, name)
@@ -802,6 +804,19 @@ def routing_report(model: nn.Module, name: str | None = None) -> list[dict[str, 
         p_bar = None if r is None else r.reshape(-1, ad.num_experts).double().mean(0).tolist()
         rows.append({"layer": lname, "adapter": n, "experts": ad.num_experts, "groups": ad.groups,
                      "mean_routing": p_bar, "balance": None if r is None else float(balance_loss(r))})
+    return rows
+
+
+@torch.no_grad()
+def spectrum_report(model: nn.Module, name: str | None = None) -> list[dict[str, Any]]:
+    """Per adapter and expert: the singular values of ``B_i`` (descending, float64) and the spectral
+    weights ``w`` the regulariser would use (the paper's singular-value-spectrum diagnostics)."""
+    rows = []
+    for lname, n, ad, _cfg in _active(model, name):
+        for i in range(ad.num_experts):
+            sigma = torch.linalg.svdvals(ad.B[i].detach().double())
+            rows.append({"layer": lname, "adapter": n, "expert": i, "singular_values": sigma.tolist(),
+                         "weights": spectral_weights(sigma).tolist()})
     return rows
 
 
