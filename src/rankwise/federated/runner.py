@@ -36,22 +36,58 @@ from rankwise.federated.strategy import CHECKPOINT, flower_class
 from rankwise.federated.tasks import evaluate_model, resolve_task
 
 __all__ = ["METHODS", "RunSettings", "build_strategy", "initial_state", "make_client_app", "make_evaluate_fn",
-           "make_server_app", "run_federated", "run_settings"]
+           "make_server_app", "methods", "register_method", "run_federated", "run_settings"]
 
 log = logging.getLogger("rankwise.federated")
 METHODS = ("fslora", "fedavg", "hetlora", "flexlora")
 BACKENDS = ("inprocess", "flower")
 
 
-def _logic(method: str) -> tuple[type, str]:
-    from rankwise.federated import baselines, fslora
+_REGISTRY: dict[str, tuple[Callable[[], type], str, Callable[..., Any] | None]] = {}
 
-    table = {"fslora": (fslora.FSLoRALogic, "FSLoRAStrategy"), "fedavg": (baselines.FedAvgLoRALogic, "FedAvgLoRAStrategy"),
-             "hetlora": (baselines.HetLoRALogic, "HetLoRAStrategy"),
-             "flexlora": (baselines.FlexLoRALogic, "FlexLoRAStrategy")}
-    if method not in table:
-        raise ValueError(f"method must be one of {METHODS}, got {method!r}")
-    return table[method]
+
+def register_method(name: str, logic: Callable[[], type], class_name: str,
+                    client_factory: Callable[..., Any] | None = None) -> None:
+    """Make a federated method available to :func:`build_strategy`, :class:`RunSettings`, the apps and the CLI.
+
+    ``logic``: a zero-argument callable returning the strategy logic class (a
+    :class:`~rankwise.federated.strategy.LoRAStrategyLogic` subclass; lazy, so registering imports nothing);
+    ``client_factory(task, task_kwargs, faults) -> client_fn`` for methods whose clients differ from
+    the LoRA client (default: :func:`rankwise.federated.client.make_client_fn`).
+    """
+    _REGISTRY[name] = (logic, class_name, client_factory)
+
+
+def _fslora() -> type:
+    from rankwise.federated.fslora import FSLoRALogic
+
+    return FSLoRALogic
+
+
+def _baseline(attr: str) -> Callable[[], type]:
+    def get() -> type:
+        from rankwise.federated import baselines
+
+        return getattr(baselines, attr)
+    return get
+
+
+register_method("fslora", _fslora, "FSLoRAStrategy")
+register_method("fedavg", _baseline("FedAvgLoRALogic"), "FedAvgLoRAStrategy")
+register_method("hetlora", _baseline("HetLoRALogic"), "HetLoRAStrategy")
+register_method("flexlora", _baseline("FlexLoRALogic"), "FlexLoRAStrategy")
+
+
+def methods() -> tuple[str, ...]:
+    """The registered method names (built in: fslora, fedavg, hetlora, flexlora)."""
+    return tuple(_REGISTRY)
+
+
+def _logic(method: str) -> tuple[type, str]:
+    if method not in _REGISTRY:
+        raise ValueError(f"method must be one of {methods()}, got {method!r}")
+    logic, name, _ = _REGISTRY[method]
+    return logic(), name
 
 
 def initial_state(task: Any, config: FSLoRAConfig) -> tuple[AdapterState, dict[str, torch.Tensor]]:
@@ -255,8 +291,8 @@ class RunSettings:
     faults: dict[int, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise ValueError(f"method must be one of {METHODS}, got {self.method!r}")
+        if self.method not in _REGISTRY:
+            raise ValueError(f"method must be one of {methods()}, got {self.method!r}")
         if not isinstance(self.num_clients, int) or isinstance(self.num_clients, bool) or self.num_clients < 1:
             raise ValueError(f"num_clients must be an int >= 1, got {self.num_clients!r}")
         if not isinstance(self.rounds, int) or isinstance(self.rounds, bool) or self.rounds < 1:
@@ -307,7 +343,8 @@ def strategy_from_settings(settings: RunSettings, on_round: Callable[[dict[str, 
 def client_fn_from_settings(settings: RunSettings) -> Callable[[Any], Any]:
     kwargs = dict(settings.task_kwargs)
     kwargs.setdefault("num_clients", settings.num_clients)
-    return make_client_fn(settings.task, kwargs, settings.faults)
+    factory = _REGISTRY[settings.method][2] or make_client_fn
+    return factory(settings.task, kwargs, settings.faults)
 
 
 def make_server_app(settings: RunSettings | None = None, on_round: Callable[[dict[str, Any]], None] | None = None,

@@ -204,6 +204,16 @@ class LoRAStrategyLogic:
         """Change the global state from the accepted replies of round ``rnd`` (at least one)."""
         raise NotImplementedError
 
+    def fit_config_extra(self, rnd: int, pid: int) -> dict[str, Any]:
+        """Method-specific entries of ``FitIns.config`` (Flower scalars), merged into the common ones.
+
+        A method with more global state than LoRA factors and a head (e.g. UB-SMoE's routing
+        modulation) keeps it in :attr:`tensors` under its own names (checkpointed with the rest),
+        sends what a client needs through :meth:`client_payload` / this hook, and reads client
+        statistics from ``ClientUpdate.metrics`` in :meth:`aggregate`.
+        """
+        return {}
+
     def _head_payload(self) -> tuple[list[np.ndarray], list[tuple[str, tuple[int, ...]]]]:
         names = self.head_names()
         return ([self.tensors[n].numpy().astype(WIRE_DTYPE, copy=True) for n in names],
@@ -269,7 +279,7 @@ class LoRAStrategyLogic:
             fit_cfg = {"round": rnd, "seed": cfg.seed, "local-steps": cfg.local_steps, "batch-size": cfg.batch_size,
                        "lr": cfg.client_lr, "head-lr": cfg.client_lr if cfg.head_lr is None else cfg.head_lr,
                        "weight-decay": cfg.weight_decay, "layout": encode_layout(layout),
-                       "scaling": json.dumps(scaling), "method": self.method}
+                       "scaling": json.dumps(scaling), "method": self.method, **self.fit_config_extra(rnd, pid)}
             out.append((by_pid[pid], FitIns(ndarrays_to_parameters(arrays), fit_cfg)))
         return out
 

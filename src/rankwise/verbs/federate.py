@@ -71,10 +71,10 @@ def register(app: typer.Typer) -> None:
         from rankwise.cli import _console, _settings
         from rankwise.core import io
         from rankwise.federated import FSLoRAConfig
-        from rankwise.federated.runner import METHODS, RunSettings, run_simulation_settings
+        from rankwise.federated.runner import RunSettings, methods, run_simulation_settings
 
-        if method not in METHODS:
-            raise typer.BadParameter(f"unknown method {method!r}; choose one of {', '.join(METHODS)}",
+        if method not in methods():
+            raise typer.BadParameter(f"unknown method {method!r}; choose one of {', '.join(methods())}",
                                      param_hint="--method")
         if backend not in ("flower", "inprocess"):
             raise typer.BadParameter(f"unknown backend {backend!r}; choose flower or inprocess", param_hint="--backend")
