@@ -12,6 +12,10 @@ Implementations (each builds its inputs first; only the merge is timed):
   the 4096 x 128 factor stacks, Tucker-2/HOOI on 128 x 128 x 8, projections; never an m x n matrix);
 * ``mtc`` — :func:`rankwise.merge.baselines.merge` in full space (TA: Σ ΔW_t accumulated as one
   dense 4096 x 4096 matrix, float64 SVD, truncation to 16);
+* ``mtc_core`` — the same merge-then-compress TA result computed in Core space (``space="core"``:
+  the truncation of U_B (Σ M_t) V_Aᵀ, which equals the full-space truncation exactly, in O((m+n)R²)):
+  the fair "smart MtC" for the TA rule, shown so that CtM's speed is not credited for what is only
+  the low-rank trick (rules that act entry-wise on the dense ΔW_t, such as TIES, have no such shortcut);
 * ``peft_svd`` — PEFT ``LoraModel.add_weighted_adapter(combination_type="svd", svd_rank=16)``
   (float32, ``torch.linalg.svd`` with PEFT's default ``full_matrices=True``), the anchor.
 
@@ -65,6 +69,13 @@ def _mtc() -> Callable[[], Any]:
     return lambda: merge(states, cfg)
 
 
+def _mtc_core() -> Callable[[], Any]:
+    from rankwise.merge.baselines import MergeConfig, merge
+
+    states, cfg = _states(), MergeConfig(rank=RANK, rule="ta", space="core", scale=1.0)
+    return lambda: merge(states, cfg)
+
+
 def _peft_svd() -> Callable[[], Any]:
     import peft
 
@@ -102,8 +113,8 @@ def _peft_svd() -> Callable[[], Any]:
 
 
 CASES = [
-    Case(f"ta_d{D}_T{T}_r{RANK}_L{LAYERS}", impls={"ctm": _ctm, "mtc": _mtc, "peft_svd": _peft_svd},
+    Case(f"ta_d{D}_T{T}_r{RANK}_L{LAYERS}", impls={"ctm": _ctm, "mtc_core": _mtc_core, "mtc": _mtc, "peft_svd": _peft_svd},
          anchor="peft_svd", params={"d": D, "T": T, "rank": RANK, "layers": LAYERS, "rule": "ta",
                                     "threads": torch.get_num_threads()},
-         repeats=3, warmup=0),
+         repeats=int(os.environ.get("RANKWISE_BENCH_MERGE_REPEATS", "3")), warmup=0),
 ]
