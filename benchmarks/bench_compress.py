@@ -273,11 +273,14 @@ def rss_probe(case_name: str, impl: str) -> dict[str, float]:
     return {"baseline_rss_mib": base / 1024, "peak_rss_mib": hwm / 1024, "peak_above_baseline_mib": (hwm - base) / 1024}
 
 
-def _rss_in_subprocess(case_name: str, impl: str) -> dict[str, float]:
+def _rss_in_subprocess(case_name: str, impl: str, fixed_mmap: bool = False) -> dict[str, float]:
+    """:func:`rss_probe` in a fresh process; ``fixed_mmap``: glibc's mmap threshold fixed at 64 KiB first
+    (:func:`rankwise.compress.fix_mmap_threshold`), as a user of ``compress_checkpoint`` should do."""
     import subprocess
 
     code = (f"import json, benchmarks.bench_compress as b; "
-            f"print(json.dumps(b.rss_probe({case_name!r}, {impl!r})))")
+            + ("from rankwise.compress import fix_mmap_threshold; fix_mmap_threshold(); " if fixed_mmap else "")
+            + f"print(json.dumps(b.rss_probe({case_name!r}, {impl!r})))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           cwd=Path(__file__).resolve().parent.parent)
     if proc.returncode != 0:
@@ -296,6 +299,16 @@ def main(argv: list[str] | None = None) -> int:
                        for case, impls in (("calibration_memory_4_vs_16_batches", ("4 batches", "16 batches")),
                                            ("block_vs_whole_minilm", ("whole", "blocks")))
                        for impl in impls}
+    res["peak_rss"].update({f"block_vs_whole_minilm/{impl} (fixed mmap threshold)":
+                            _rss_in_subprocess("block_vs_whole_minilm", impl, fixed_mmap=True)
+                            for impl in ("whole", "blocks")})
+    ratios = {}
+    for suffix in ("", " (fixed mmap threshold)"):
+        w, b = (res["peak_rss"][f"block_vs_whole_minilm/{i}{suffix}"] for i in ("whole", "blocks"))
+        if "error" not in w and "error" not in b:
+            ratios[f"above baseline{suffix}"] = b["peak_above_baseline_mib"] / w["peak_above_baseline_mib"]
+            ratios[f"total{suffix}"] = b["peak_rss_mib"] / w["peak_rss_mib"]
+    res["peak_rss_ratio_blocks_over_whole"] = ratios
     mib = lambda b: b / 2 ** 20  # noqa: E731
     print("\nblock vs whole on all-MiniLM-L6-v2 (swift-svd, rho 0.4, 64 calibration sentences):")
     for k in ("identical_ranks", "identical_errors", "identical_weights", "identical_outputs", "fingerprints_equal"):
@@ -308,6 +321,8 @@ def main(argv: list[str] | None = None) -> int:
     print("peak RSS above the post-import baseline (fresh process each, VmHWM):")
     for k, v in res["peak_rss"].items():
         print(f"  {k:<48} " + (f"+{v['peak_above_baseline_mib']:.1f} MiB" if "error" not in v else v["error"]))
+    for k, v in ratios.items():
+        print(f"  peak RSS ratio blocks / whole, {k:<36} {v:.3f}")
     out = Path(__file__).resolve().parent / "results"
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / "compress_verify.json.tmp"

@@ -34,6 +34,7 @@ from rankwise.compress.pipeline import (
     compress,
     compress_checkpoint,
     find_blocks,
+    fix_mmap_threshold,
     forward_time_ratio,
     layer_groups,
     resolve_targets,
@@ -58,7 +59,7 @@ from rankwise.compress.swift_svd import (
 )
 
 __all__ = [
-    "CompressConfig", "Calibration", "compress", "calibrate", "compress_checkpoint", "save_compressed",
+    "CompressConfig", "Calibration", "compress", "calibrate", "compress_checkpoint", "fix_mmap_threshold", "save_compressed",
     "load_compressed", "read_compression_metadata", "CompressionReport", "LayerReport", "LayerMethod",
     "PairedStats", "layer_methods", "register_layer_method", "resolve_layer_method", "uniform_rank",
     "relative_output_error", "find_blocks", "resolve_targets", "layer_groups", "forward_time_ratio",

@@ -80,7 +80,8 @@ Tensor = torch.Tensor
 Mode = Literal["auto", "whole", "blocks"]
 
 __all__ = [
-    "CompressConfig", "Calibration", "compress", "calibrate", "compress_checkpoint", "find_blocks",
+    "CompressConfig", "Calibration", "compress", "calibrate", "compress_checkpoint", "fix_mmap_threshold",
+    "find_blocks",
     "resolve_targets", "layer_groups", "allocate_ranks", "forward_time_ratio",
 ]
 
@@ -1374,6 +1375,35 @@ def compress(
 # checkpoint mode
 
 
+def fix_mmap_threshold(threshold: int = 65536) -> bool:
+    """Make glibc serve every allocation of ``threshold`` bytes or more with its own ``mmap`` (process-wide).
+
+    glibc raises its mmap threshold dynamically (up to 32 MiB) whenever a large block is freed; from
+    then on, tensors of a few MiB come from the heap, and a heap with a free hole at the wrong place is
+    not returned to the OS. :func:`compress_checkpoint` frees one block's weights, statistics and work
+    buffers after another, which is exactly that pattern: with the threshold fixed, the freed memory
+    goes back to the OS block by block and the peak RSS stays at about one block's working set
+    (``benchmarks/bench_compress.py`` measures both). Equivalent to ``MALLOC_MMAP_THRESHOLD_=65536`` in
+    the environment. Affects the whole process and cannot be undone (glibc turns the dynamic
+    adjustment off for good); a no-op returning False on a C library without ``mallopt``.
+    """
+    import ctypes
+    import ctypes.util
+
+    if isinstance(threshold, bool) or not isinstance(threshold, int) or not 0 < threshold <= 32 * 2 ** 20:
+        raise ValueError(f"threshold must be an int in (0, 32 MiB], got {threshold!r}")
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        mallopt = getattr(libc, "mallopt", None)
+    except OSError:
+        mallopt = None
+    if mallopt is None:
+        return False
+    M_MMAP_THRESHOLD = -3
+    return bool(mallopt(M_MMAP_THRESHOLD, threshold))
+
+
 def compress_checkpoint(
     model_dir: str | Path,
     config: Any,
@@ -1401,6 +1431,9 @@ def compress_checkpoint(
 
     Gradient-based methods (FWSVD, GFWSVD) and methods with whole-model statistics cannot run this
     way (they need the whole model for a backward pass): load the model and use :func:`compress`.
+
+    On glibc, call :func:`fix_mmap_threshold` once before, so that what each block frees goes back to
+    the OS (otherwise the heap keeps some of it and the peak RSS is that of one and a half blocks).
     """
     from rankwise.compress import serialization as ser
 
