@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Sequence
 
 import torch
@@ -48,6 +48,7 @@ from rankwise.core.errors import NumericalError
 from rankwise.core.lora import AdapterState
 from rankwise.core.registry import register
 from rankwise.merge.baselines import (
+    _check_unit,
     _factors,
     _module_factors,
     _out_state,
@@ -59,7 +60,6 @@ from rankwise.merge.baselines import (
     core_bases,
     core_matrices,
     merge_tensors,
-    sign_fix,
     top_left_singular,
 )
 
@@ -112,8 +112,6 @@ class CtMConfig:
     def __post_init__(self) -> None:
         check_rank("CtMConfig.rank", self.rank)
         object.__setattr__(self, "rule", canonical_rule(self.rule, "CtMConfig.rule"))
-        from rankwise.merge.baselines import _check_unit
-
         object.__setattr__(self, "density", _check_unit("CtMConfig.density", self.density, True, False))
         object.__setattr__(self, "drop_rate", _check_unit("CtMConfig.drop_rate", self.drop_rate, False, True))
         object.__setattr__(self, "beta", _check_unit("CtMConfig.beta", self.beta, False, False))
@@ -329,8 +327,6 @@ def merge_with_report(adapters: Sequence[AdapterState], config: CtMConfig | None
             continue
         layer_cfg = cfg
         if R < cfg.rank:  # zero adapters were skipped: fewer directions than asked; pad with zeros
-            from dataclasses import replace
-
             layer_cfg = replace(cfg, rank=R)
         res = ctm_merge_layer(Bs, As, layer_cfg, name=mod)
         B, A = res.B, res.A
@@ -345,8 +341,7 @@ def merge_with_report(adapters: Sequence[AdapterState], config: CtMConfig | None
         report.hooi[mod] = {"iterations": res.hooi.iterations, "converged": res.hooi.converged,
                             "objective_init": res.hooi.objective_init, "objective": res.hooi.objective,
                             "rel_error": res.hooi.rel_error}
-    settings = {k: v for k, v in asdict(cfg).items()}
-    state = _out_state(inputs, factors, cfg.rank, {"method": "ctm", "merge": settings})
+    state = _out_state(inputs, factors, cfg.rank, {"method": "ctm", "merge": asdict(cfg)})
     return state, report
 
 

@@ -37,7 +37,6 @@ from __future__ import annotations
 import copy
 import statistics
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Sequence
 

@@ -28,7 +28,6 @@ Cost (measured, one thread, top_layers = 2): about 5-15 s of CPU per task LoRA; 
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import logging
@@ -45,7 +44,7 @@ from torch import nn
 
 from rankwise.core import io
 from rankwise.core.errors import ArtifactError
-from rankwise.core.lora import AdapterState, add_lora, get_state, set_state
+from rankwise.core.lora import AdapterState, add_lora, get_state
 from rankwise.zoo.tasks import text_task
 from rankwise.zoo.tinylm import cache_dir
 
@@ -233,12 +232,3 @@ def task_lora(task: str, seed: int = 0, *, recipe: dict[str, Any] | None = None,
     logger.info("trained task LoRA %s (seed %d): test acc %.3f in %.1f s", task, seed, metrics["test_acc"],
                 metrics["train_wall_s"])
     return TaskLoRA(task, seed, labels, state, head, metrics, path)
-
-
-def install(model: nn.Module, state: AdapterState) -> None:
-    """Put ``state`` into a :func:`top_model` as its active adapter ``default`` (no fingerprint check)."""
-    set_state(model, state, "default", check_base=False)
-
-
-def copy_model(model: nn.Module) -> nn.Module:
-    return copy.deepcopy(model)
