@@ -347,7 +347,10 @@ def _load_model(d: Path) -> tuple[nn.Module, Any]:
     cls = getattr(transformers, archs[0], None) if archs else None
     if cls is None:
         cls = transformers.AutoModel
-    model = cls.from_pretrained(str(d), local_files_only=True)
+    from rankwise.zoo.models import quiet_transformers
+
+    with quiet_transformers():
+        model = cls.from_pretrained(str(d), local_files_only=True)
     try:
         tok = AutoTokenizer.from_pretrained(str(d), local_files_only=True)
     except Exception as e:
