@@ -117,7 +117,8 @@ class LoRAStrategyLogic:
             raise ValueError(f"{self.method} aggregates factors directly: it needs server_optimizer='avg' and "
                              f"server_lr=1.0, got {config.server_optimizer!r}, {config.server_lr}")
         super().__init__(fraction_fit=1.0, fraction_evaluate=0.0, min_fit_clients=1, min_evaluate_clients=0,  # type: ignore[call-arg]
-                         min_available_clients=num_clients or 1, accept_failures=True)
+                         min_available_clients=num_clients or 1, accept_failures=True,
+                         fit_metrics_aggregation_fn=_no_metrics)
         self.config = config
         self.num_clients = num_clients
         self.evaluate_fn = evaluate_fn
@@ -435,6 +436,11 @@ class LoRAStrategyLogic:
         self.completed_rounds = int(meta["round"])
         self._offset = self.completed_rounds
         self.history = list(meta.get("history") or [])
+
+
+def _no_metrics(metrics: list[tuple[int, dict[str, Any]]]) -> dict[str, Any]:
+    """Flower's FedAvg aggregates client metrics through this; the strategies record their own."""
+    return {}
 
 
 def _jsonable(x: Any) -> Any:
