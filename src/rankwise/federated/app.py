@@ -7,7 +7,8 @@ such a directory (a ``pyproject.toml`` only: the components live in the installe
 so SuperExecs must run in an environment where rankwise is installed, with
 ``--disable-runtime-dependency-installation``). See docs/federated.md.
 
-Importing this module imports flwr (it builds the two app objects).
+The two app objects are built on first access (module ``__getattr__``; Flower's static check finds
+them in ``__all__``), so importing this module does not import flwr.
 """
 
 from __future__ import annotations
@@ -21,8 +22,16 @@ from rankwise.federated.runner import RunSettings, make_client_app, make_server_
 
 __all__ = ["client_app", "pyproject_text", "server_app", "write_app_dir"]
 
-server_app = make_server_app()
-client_app = make_client_app()
+_APPS: dict[str, Any] = {}
+
+
+def __getattr__(name: str) -> Any:
+    """``server_app`` / ``client_app``, built on first access (so importing this module does not import flwr)."""
+    if name in ("server_app", "client_app"):
+        if name not in _APPS:
+            _APPS[name] = make_server_app() if name == "server_app" else make_client_app()
+        return _APPS[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def pyproject_text(settings: RunSettings, name: str = "rankwise-fl", publisher: str = "rankwise") -> str:
