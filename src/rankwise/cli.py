@@ -40,6 +40,12 @@ USER_ERRORS: tuple[type[BaseException], ...] = (
 )
 USAGE_EXIT = 2
 
+# bitsandbytes (pulled in by PEFT) warns on every CPU with AVX512-BF16 that an optional 4-bit kernel
+# package is missing; rankwise never runs 4-bit kernels, so the command keeps that line out of its output
+import logging as _logging  # noqa: E402
+
+_logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(_logging.ERROR)
+
 
 def _debug() -> bool:
     return os.environ.get("RANKWISE_DEBUG", "").strip().lower() not in ("", "0", "false", "no")
