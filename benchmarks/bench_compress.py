@@ -29,15 +29,21 @@ fork time), written to ``benchmarks/results/compress_verify.json``.
 
 Measured on the shared 2-core development machine (one thread): identical ranks, errors, weights and outputs;
 tensor ledger at the peak: whole 370 MiB (parameters 87 + statistics 284), blocks 60 MiB (parameters 7,
-statistics 47, activations 6), ratio 0.16; peak RSS above the post-import baseline: whole +520 MiB, blocks
-+315 MiB (ratio 0.61), 8 vs 32 calibration batches of 16 sentences +487 / +479 MiB. The RSS ratio stays above one half on
-MiniLM because both modes pay the same fixed cost of roughly 150-250 MiB that does not grow with the depth:
-the float64 work buffers of the widest layer (the 1536 x 1536 output covariance of an FFN-input layer, its
+statistics 47, activations 6), ratio 0.16. Peak RSS above the post-import baseline (about 380 MiB of
+Python, torch and transformers, the same for both): with glibc's default allocator whole +499 MiB, blocks
++271 MiB (ratio 0.54; 0.53-0.63 over several runs); with the mmap threshold fixed at 64 KiB
+(:func:`rankwise.compress.fix_mmap_threshold`, which a user of ``compress_checkpoint`` should call) whole
++465 MiB, blocks +221 MiB (ratio 0.47, stable across runs). Counting the import baseline, the total peak
+RSS ratio is 0.71-0.74: on a 90 MiB model the interpreter and libraries dominate. 4 vs 16 calibration
+batches: +539 / +547 MiB (calibration memory does not grow with the number of batches).
+With the default allocator the block mode keeps part of each freed block in the heap: glibc raises its
+mmap threshold after a large free, so later multi-MiB tensors come from the heap and are not returned.
+What remains above the ledger in both modes is a fixed cost that does not grow with the depth: the
+float64 work buffers of the widest layer (the 1536 x 1536 output covariance of an FFN-input layer, its
 symmetrised copy, ``eigh``'s workspace and eigenvectors; the per-batch float64 token matrices of the
-collector), the tokenizer and corpus, and the allocator's retained heap. What grows with the depth — the
-parameters and the statistics — is what the ledger counts: the whole mode holds all 36 layers' statistics,
-the block mode one block's. For a model with L blocks the ledger of the whole mode grows ~L-fold while the
-block mode's stays at one block.
+collector), the tokenizer and corpus. What grows with the depth — the parameters and the statistics — is
+what the ledger counts: the whole mode holds all 36 layers' statistics, the block mode one block's. For a
+model with L blocks the ledger of the whole mode grows ~L-fold while the block mode's stays at one block.
 
 On this machine the 4096 x 4096 float32 decomposition took 34 s (Swift-SVD) vs 89 s (SVD-LLM(W)): 2.6x in
 Swift-SVD's favour, in the range the paper reports (2.5-3.9x); at MiniLM shapes SVD-LLM(W) is faster
