@@ -91,6 +91,9 @@ class UBSMoEConfig(FSLoRAConfig):
         k_max: K_max (None: the model's own top-k).
         candidate_factor: N_p = candidate_factor * K_max (K_max <= N_p <= M is checked against the model).
         dmr: Dynamic Modulated Routing on/off (off: phi is neither used nor updated).
+        modulation_update: with dmr, the server moves phi toward the utilisation target phi~ (False: phi is
+            only trained locally and averaged; SMoE-LLB uses this to give its balancing loss a routing
+            parameter while the router stays frozen).
         dmr_momentum: zeta in [0, 1) of ``phi <- zeta phi_bar + (1 - zeta) phi~``.
         phi_range: (phi_min, phi_max) of the range regulariser; phi_reg: its lambda >= 0.
         eps: epsilon of ``phi~ = tanh(u* / (u~ + eps) - 1)``.
@@ -114,6 +117,7 @@ class UBSMoEConfig(FSLoRAConfig):
     candidate_factor: int = 2
     dmr: bool = True
     dmr_momentum: float = 0.9
+    modulation_update: bool = True
     phi_range: tuple[float, float] = (-1.0, 1.0)
     phi_reg: float = 0.1
     eps: float = 1e-6
@@ -152,7 +156,7 @@ class UBSMoEConfig(FSLoRAConfig):
                 or self.candidate_factor < 1:
             raise ValueError(f"UBSMoEConfig.candidate_factor must be an int >= 1 (N_p = factor * K_max >= K_max), "
                              f"got {self.candidate_factor!r}")
-        for name in ("dmr", "pseudo_gradient", "output_rescale"):
+        for name in ("dmr", "modulation_update", "pseudo_gradient", "output_rescale"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"UBSMoEConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if not finite_number(self.dmr_momentum) or not 0.0 <= float(self.dmr_momentum) < 1.0:
@@ -631,7 +635,7 @@ class UBSMoELogic(LoRAStrategyLogic):
                 util, k_bar = global_utilisation(np.stack([s[0][li] for s, _, _ in ok]), [s[1][li] for s, _, _ in ok],
                                                  [wi for _, wi, _ in ok], [k for _, _, k in ok])
                 ents.append(utilisation_entropy(util) if k_bar > 0 else float("nan"))
-                if self.ub.dmr and k_bar > 0:
+                if self.ub.dmr and self.ub.modulation_update and k_bar > 0:
                     target = target_modulation(util, k_bar, self.ub.eps)
                     name = f"head:{l}.phi"
                     self.tensors[name].copy_(update_phi(self.tensors[name], target, self.ub.dmr_momentum).float())
@@ -662,10 +666,15 @@ class NaiveSMoELogic(UBSMoELogic):
 
 
 class SMoELLBLogic(UBSMoELogic):
-    """SMoE-LLB: naive SMoE-FL plus a local Switch load-balancing loss (coefficient 0.01) on every client."""
+    """SMoE-LLB: heterogeneous-K SMoE with a local Switch load-balancing loss (coefficient 0.01) on every client.
+
+    With a frozen router the loss needs a trainable routing parameter: the per-expert bias phi on the
+    candidates (trained locally by the loss, averaged by FedAvg; no server target, no L_reg, no PG).
+    """
 
     method = "smoe-llb"
-    variant = {"dmr": False, "pseudo_gradient": False, "load_balance_coef": 0.01}
+    variant = {"dmr": True, "modulation_update": False, "phi_reg": 0.0, "pseudo_gradient": False,
+               "load_balance_coef": 0.01}
 
 
 class A3SMoELogic(UBSMoELogic):
@@ -889,7 +898,8 @@ class SyntheticMoETask:
 
     The base is a seeded MoE classifier (``num_layers`` LoRAMoE layers with residuals); its router
     carries a per-expert bias ``router_skew * linspace(1, -1, M)`` so that utilisation is imbalanced,
-    as in a pretrained MoE. The teacher perturbs EVERY expert of the base by its own
+    as in a pretrained MoE; expert weights are drawn ``expert_scale`` times larger than 1/sqrt(fan_in)
+    so that the MoE output, not the residual, decides the label. The teacher perturbs EVERY expert of the base by its own
     rank-``teacher_rank`` change, so a student that leaves some experts untrained mislabels the
     tokens those experts receive. Labels are the teacher's argmax at its full top-k; partitions are
     Dirichlet non-IID over labels. ``targets``: all expert projections; ``head``: the classifier and
@@ -900,15 +910,16 @@ class SyntheticMoETask:
 
     def __init__(self, num_clients: int = 16, per_client: int = 64, n_test: int = 512, d_in: int = 16,
                  hidden: int = 32, ffn: int = 32, num_experts: int = 8, top_k: int = 4, num_layers: int = 1,
-                 num_labels: int = 4, teacher_rank: int = 2, router_skew: float = 1.0,
-                 dirichlet_alpha: float = 0.3, seed: int = 0) -> None:
+                 num_labels: int = 4, teacher_rank: int = 2, router_skew: float = 1.0, teacher_scale: float = 2.0,
+                 expert_scale: float = 3.0, dirichlet_alpha: float = 0.3, seed: int = 0) -> None:
         for k, v in dict(num_clients=num_clients, per_client=per_client, n_test=n_test, d_in=d_in, hidden=hidden,
                          ffn=ffn, num_experts=num_experts, top_k=top_k, num_layers=num_layers, num_labels=num_labels,
                          teacher_rank=teacher_rank).items():
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"SyntheticMoETask.{k} must be an int >= 1, got {v!r}")
-        if not finite_number(router_skew):
-            raise ValueError(f"SyntheticMoETask.router_skew must be a finite number, got {router_skew!r}")
+        for k, v in dict(router_skew=router_skew, teacher_scale=teacher_scale, expert_scale=expert_scale).items():
+            if not finite_number(v):
+                raise ValueError(f"SyntheticMoETask.{k} must be a finite number, got {v!r}")
         self.num_clients, self.seed, self.top_k = num_clients, seed, top_k
         self.dims = (d_in, hidden, ffn, num_experts, top_k, num_layers, num_labels)
         self.targets: tuple[str, ...] = (r"re:.*\.experts\.\d+\.w[123]",)
@@ -923,7 +934,7 @@ class SyntheticMoETask:
                 if name.endswith("router.bias"):
                     p.copy_(float(router_skew) * torch.linspace(1.0, -1.0, num_experts))
                     continue
-                scale = 2.0 if "router" in name else 1.0
+                scale = 2.0 if "router" in name else float(expert_scale) if "experts" in name else 1.0
                 p.copy_(scale * torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1]))
         teacher = _MoEClassifier(*self.dims)
         teacher.load_state_dict(base.state_dict())
@@ -934,7 +945,7 @@ class SyntheticMoETask:
                         o, i = lin.weight.shape
                         u = torch.randn(o, teacher_rank, generator=gen)
                         v = torch.randn(teacher_rank, i, generator=gen)
-                        lin.weight.add_(2.0 * (u @ v) / math.sqrt(i * teacher_rank))
+                        lin.weight.add_(float(teacher_scale) * (u @ v) / math.sqrt(i * teacher_rank))
         self._state = base.state_dict()
         n_train = per_client * num_clients
         x = torch.randn(n_train + n_test, d_in, generator=gen)
