@@ -326,3 +326,25 @@ def test_plain_fslora_config_is_read_with_ub_defaults():
     assert cfg.rank == 4 and cfg.local_steps == 3 and cfg.dmr and cfg.pseudo_gradient
     assert [cfg.budget_of(i) for i in range(5)] == [0.25, 0.5, 0.75, 1.0, 0.25]
     assert json.loads(json.dumps(cfg.to_json()))["phi_range"] == [-1.0, 1.0]
+
+
+def test_llb_trains_phi_locally_without_server_target():
+    task = small_task()
+    s = run("smoe-llb", small_cfg(head_lr=5e-2), task)
+    assert s.ub.dmr and not s.ub.modulation_update and s.ub.load_balance_coef == 0.01
+    phi = s.tensors["head:moe.0.phi"]
+    assert float(phi.abs().max()) > 0  # moved by the local balancing loss only
+    assert s.history[-1]["phi_abs_mean"] == pytest.approx(float(phi.abs().mean()))
+
+
+def test_resume_gives_the_same_global_state(tmp_path):
+    from rankwise.federated.runner import build_strategy, run_federated
+
+    task = small_task()
+    full = run("ub-smoe", small_cfg(), task, rounds=2)
+    first = build_strategy("ub-smoe", small_cfg(), task, checkpoint_dir=tmp_path)
+    run_federated(first, U.make_ub_smoe_client_fn(task), task.num_clients, 1)
+    resumed = build_strategy("ub-smoe", small_cfg(), task, resume=tmp_path)
+    run_federated(resumed, U.make_ub_smoe_client_fn(task), task.num_clients, 2)
+    for n in full.tensors:
+        assert torch.equal(full.tensors[n], resumed.tensors[n]), n
