@@ -32,11 +32,15 @@ def _small(**kw) -> FinetuneJob:
     return FinetuneJob(**base)
 
 
+OPTIONS = {"cdka": {"calib_batches": 1, "budget": "lora_r1"},
+           "daf": {"analysis_batches": 1, "analysis_every": 1, "lora_rank": 2}}  # a DAF round after step 1
+
+
 @pytest.mark.parametrize("method,optimizer", [("lora", "adamw"), ("psoft", "adamw"), ("cdka", "adamw"),
-                                              ("lora", "adams"), ("lora", "lracs")])
+                                              ("daf", "adamw"), ("lora", "adams"), ("lora", "lracs")])
 def test_trains_saves_and_reloads_identically(tmp_path, method, optimizer):
     out = tmp_path / "run"
-    kw = {"options": {"calib_batches": 1, "budget": "lora_r1"}} if method == "cdka" else {}
+    kw = {"options": OPTIONS[method]} if method in OPTIONS else {}
     res = run_finetune(_small(method=method, optimizer=optimizer, out=out, **kw))
     assert res.reload_max_abs_diff == 0.0
     assert [h[0] for h in res.history] == [1, 2]

@@ -235,7 +235,7 @@ def _method_config(job: FinetuneJob) -> Any:
     if unknown:
         raise ValueError(f"{cls.__name__} has no field(s) {', '.join(unknown)}; its fields: {', '.join(sorted(fields))}")
     if job.rank is not None:
-        rank_field = next((f for f in ("rank", "r") if f in fields), None)
+        rank_field = next((f for f in ("rank", "r", "lora_rank") if f in fields), None)
         if rank_field is None:
             raise ValueError(f"--rank does not apply to {job.method} ({cls.__name__} has no rank field); "
                              f"set its size with -o FIELD=VALUE (fields: {', '.join(sorted(fields))})")
@@ -290,20 +290,36 @@ def _head_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     return {f"{name}.{k}": v.detach().clone() for k, v in head.state_dict().items()}
 
 
+def _calibration(job: FinetuneJob, tokenizer: Any, train: list[tuple[str, int]], n: int) -> list[dict[str, Any]]:
+    """``n`` training batches as ``model(**batch)`` keyword dicts with labels (so ``.loss`` is the CE)."""
+    from rankwise.train.finetune import FinetuneConfig, make_batches
+
+    cfg = FinetuneConfig(batch_size=job.batch_size, max_length=job.max_length, seed=job.seed + 1)
+    return [dict(b.inputs, labels=b.labels) for b in make_batches(tokenizer, train, cfg, steps=n)]
+
+
 def _apply_method(job: FinetuneJob, config: Any, model: nn.Module, tokenizer: Any,
-                  train: list[tuple[str, int]]) -> nn.Module:
+                  train: list[tuple[str, int]], total_steps: int) -> Any:
+    """Add the adapter; returns a per-step hook ``f(trainer, step_done)`` for methods that need one (DAF)."""
     mod = _method_module(job.method)
     kwargs: dict[str, Any] = {}
     if job.method == "cdka" and (config.config_mode == "aligned" or config.init == "gradient"):
-        from rankwise.train.finetune import FinetuneConfig, make_batches
-
-        cfg = FinetuneConfig(batch_size=job.batch_size, max_length=job.max_length, seed=job.seed)
-        batches = make_batches(tokenizer, train, cfg, steps=config.calib_batches)
-        kwargs["calib"] = [dict(b.inputs, labels=b.labels) for b in batches]
+        kwargs["calib"] = _calibration(job, tokenizer, train, config.calib_batches)
+    if job.method == "daf":  # round 0 of the sensitivity analysis, then periodic rounds during training
+        kwargs["batches"] = _calibration(job, tokenizer, train, config.analysis_batches)
     mod.adapt(model, config, **kwargs)
     for p in _head(model)[1].parameters():
         p.requires_grad_(True)
-    return model
+    if job.method == "daf":
+        controller = mod.DAFController(model, kwargs["batches"], total_steps=total_steps)
+        hooks: dict[int, Any] = {}
+
+        def daf_hook(trainer: Any, step_done: int) -> None:
+            if id(trainer) not in hooks:
+                hooks[id(trainer)] = controller.callback(trainer)
+            hooks[id(trainer)](step_done - 1)
+        return daf_hook
+    return None
 
 
 def _optimizer_factory(job: FinetuneJob, model: nn.Module, lr: float) -> Callable[[list[nn.Parameter]], Any]:
@@ -447,13 +463,13 @@ def run_finetune(job: FinetuneJob, progress: bool = False,
     labels, train, test, source = _load_data(job)
     model, tokenizer = _build_model(job.model, len(labels), job.seed)
     total = sum(p.numel() for p in model.parameters())
-    _apply_method(job, config, model, tokenizer, train)
+    steps = job.steps if job.steps is not None else max(1, math.ceil(len(train) / job.batch_size))
+    step_hook = _apply_method(job, config, model, tokenizer, train, steps)
     head_ids = {id(p) for p in _head(model)[1].parameters()}
     trainable = [p for p in model.parameters() if p.requires_grad]
     n_trainable = sum(p.numel() for p in trainable)
     n_adapter = sum(p.numel() for p in trainable if id(p) not in head_ids)
     lr = job.lr if job.lr is not None else DEFAULT_LR.get(job.method, 1e-3)
-    steps = job.steps if job.steps is not None else max(1, math.ceil(len(train) / job.batch_size))
     eval_every = job.eval_every if job.eval_every is not None else max(1, steps // 4)
     cfg = FinetuneConfig(lr=lr, steps=steps, batch_size=job.batch_size, max_length=job.max_length, seed=job.seed)
     if job.optimizer != "adamw":
@@ -490,6 +506,8 @@ def run_finetune(job: FinetuneJob, progress: bool = False,
         task = bar.add_task(f"finetune {job.method}", total=steps) if progress else None
         for i, batch in enumerate(batches, 1):
             trainer.step(batch)
+            if step_hook is not None:
+                step_hook(trainer, i)
             if progress:
                 bar.update(task, advance=1, description=f"finetune {job.method} loss {trainer.losses[-1]:.3f}")
             if i % eval_every == 0 or i == steps:
