@@ -484,7 +484,7 @@ def convert_to_lora_moe(model: nn.Module, *, candidate_factor: int = 2) -> nn.Mo
             raise ValueError(f"{name}: router {tuple(w_r.shape)} and experts gate_up {tuple(gu.shape)} / down "
                              f"{tuple(down.shape)} do not agree")
         top_k = int(getattr(gate, "top_k", getattr(mod, "top_k", 2)))
-        plan.append((name, m, hdim, gu.shape[1] // 2, top_k, w_r, gu, down))
+        plan.append((name, m, hdim, gu.shape[1] // 2, top_k, w_r, gu, down, mod.training))
     if not plan:
         raise SelectionError("no MoE layer found: no module with a router 'gate' and fused 'experts' "
                              "(gate_up_proj, down_proj) in this model")
@@ -492,7 +492,7 @@ def convert_to_lora_moe(model: nn.Module, *, candidate_factor: int = 2) -> nn.Mo
     cfg = getattr(model, "config", None)
     if cfg is not None and getattr(cfg, "hidden_act", "silu") in _ACTS:
         act = cfg.hidden_act
-    for name, m, hdim, ffn, top_k, w_r, gu, down in plan:
+    for name, m, hdim, ffn, top_k, w_r, gu, down, training in plan:
         layer = LoRAMoE(hdim, ffn, m, top_k, act=act, candidate_factor=candidate_factor)
         with torch.no_grad():
             layer.router.weight.copy_(w_r)
@@ -502,6 +502,7 @@ def convert_to_lora_moe(model: nn.Module, *, candidate_factor: int = 2) -> nn.Mo
                 e.w2.weight.copy_(down[i])
         layer.to(w_r.dtype)
         layer.phi.data = layer.phi.data.float()
+        layer.train(training)
         replace_module(model, name, layer)
     return model
 
@@ -593,7 +594,8 @@ class UBSMoELogic(LoRAStrategyLogic):
                     or tokens.shape != (len(self.layers),):
                 raise ValueError(f"shapes {counts.shape}, {tokens.shape} for {len(self.layers)} layers x "
                                  f"{self.num_experts} experts")
-            if not (np.isfinite(counts).all() and np.isfinite(tokens).all()) or (counts < 0).any() or (tokens < 0).any():
+            finite = np.isfinite(counts).all() and np.isfinite(tokens).all()
+            if not finite or (counts < 0).any() or (tokens < 0).any():
                 raise ValueError("counts/tokens must be finite and >= 0")
         except (KeyError, TypeError, ValueError) as e:
             log.warning("UB-SMoE: client %d sent malformed routing statistics (%s); left out of the utilisation",
@@ -678,7 +680,8 @@ class SMoELLBLogic(UBSMoELogic):
 
 
 class A3SMoELogic(UBSMoELogic):
-    """A3SMoE (as the spec interprets it): naive SMoE-FL + FLAME-style output rescaling + activation-aware aggregation."""
+    """A3SMoE (the spec's interpretation): naive SMoE-FL + FLAME-style output rescaling + activation-aware
+    aggregation."""
 
     method = "a3smoe"
     variant = {"dmr": False, "pseudo_gradient": False, "output_rescale": True, "aggregation": "activation"}
@@ -899,11 +902,11 @@ class SyntheticMoETask:
     The base is a seeded MoE classifier (``num_layers`` LoRAMoE layers with residuals); its router
     carries a per-expert bias ``router_skew * linspace(1, -1, M)`` so that utilisation is imbalanced,
     as in a pretrained MoE; expert weights are drawn ``expert_scale`` times larger than 1/sqrt(fan_in)
-    so that the MoE output, not the residual, decides the label. The teacher perturbs EVERY expert of the base by its own
-    rank-``teacher_rank`` change, so a student that leaves some experts untrained mislabels the
-    tokens those experts receive. Labels are the teacher's argmax at its full top-k; partitions are
-    Dirichlet non-IID over labels. ``targets``: all expert projections; ``head``: the classifier and
-    every layer's phi.
+    so that the MoE output, not the residual, decides the label. The teacher perturbs EVERY expert of
+    the base by its own rank-``teacher_rank`` change (times ``teacher_scale``), so a student that
+    leaves some experts untrained mislabels the tokens those experts receive. Labels are the
+    teacher's argmax at its full top-k; partitions are Dirichlet non-IID over labels. ``targets``:
+    all expert projections; ``head``: the classifier and every layer's phi.
     """
 
     name = "synthetic-moe"

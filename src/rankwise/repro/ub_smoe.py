@@ -82,7 +82,7 @@ def _config(S: dict[str, Any], seed: int, **extra: Any) -> UBSMoEConfig:
 @torch.no_grad()
 def evaluate_tiers(model: torch.nn.Module, data: TensorData, ks: Sequence[int], dmr: bool,
                    batch_size: int = 256) -> dict[int, dict[str, float]]:
-    """Test loss, accuracy and measured FFN FLOPs/token of ``model`` run at each K in ``ks`` (routing state restored)."""
+    """Test loss, accuracy and measured FFN FLOPs/token of ``model`` at each K in ``ks`` (routing state restored)."""
     layers = moe_layers(model)
     saved = [(layer.k, layer.dmr, layer.record) for _, layer in layers]
     out: dict[int, dict[str, float]] = {}
