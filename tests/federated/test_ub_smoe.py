@@ -348,3 +348,42 @@ def test_resume_gives_the_same_global_state(tmp_path):
     run_federated(resumed, U.make_ub_smoe_client_fn(task), task.num_clients, 2)
     for n in full.tensors:
         assert torch.equal(full.tensors[n], resumed.tensors[n]), n
+
+
+def test_florist_stacked_svd_is_exact_and_thresholds_energy():
+    from rankwise.federated.runner import build_strategy, run_federated
+    from rankwise.federated.client import make_client_fn
+    from rankwise.federated.config import FSLoRAConfig
+    from rankwise.federated.strategy import ClientUpdate
+    from rankwise.federated.tasks import SyntheticTask
+
+    task = SyntheticTask(num_clients=2, per_client=16, hidden=16)
+    cfg = FSLoRAConfig(rank=8, client_ranks={0: 2, 1: 4}, clients_per_round=2, local_steps=1, seed=0)
+    s = build_strategy("florist", cfg, task, evaluate=False, energy=1.0)
+    g = torch.Generator().manual_seed(0)
+    ups, target = [], {}
+    for pid, k in ((0, 2), (1, 4)):
+        t = {f"{m}.lora_{x}": torch.randn(*((k, s.tensors[f'{m}.lora_A'].shape[1]) if x == "A"
+                                            else (s.tensors[f'{m}.lora_B'].shape[0], k)), generator=g)
+             for m in s.modules for x in "AB"}
+        t.update({n: s.tensors[n].clone() for n in s.head_names()})
+        ups.append(ClientUpdate(pid, t, 10, {}))
+    for m in s.modules:
+        target[m] = sum(0.5 * u.tensors[f"{m}.lora_B"].double() @ u.tensors[f"{m}.lora_A"].double() for u in ups)
+    s.aggregate(1, ups)
+    for m in s.modules:  # total rank 6 <= r = 8 and energy 1: exact
+        got = s.tensors[f"{m}.lora_B"].double() @ s.tensors[f"{m}.lora_A"].double()
+        assert torch.allclose(got, target[m], atol=1e-4)
+        assert s.kept_ranks[m] == 6
+    s2 = build_strategy("florist", cfg, task, evaluate=False, energy=0.5)
+    s2.aggregate(1, ups)
+    for m in s2.modules:
+        sv = torch.linalg.svdvals(target[m])
+        e = torch.cumsum(sv ** 2, 0) / (sv ** 2).sum()
+        j = s2.kept_ranks[m]
+        assert e[j - 1] >= 0.5 and (j == 1 or e[j - 2] < 0.5)
+    with pytest.raises(ValueError, match="energy"):
+        build_strategy("florist", cfg, task, evaluate=False, energy=0.0)
+    s3 = build_strategy("florist", cfg, task, evaluate=False)
+    run_federated(s3, make_client_fn(task), 2, 1)
+    assert s3.history[-1]["clients_ok"] == 2

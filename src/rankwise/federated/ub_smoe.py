@@ -21,7 +21,8 @@ cost scales with its compute budget ``beta_c``. Two mechanisms keep every expert
 Baselines in this module, as registered federated methods on the same model, client and tiers:
 ``smoe-naive`` (plain Top-K_c, FedAvg), ``smoe-llb`` (plus a local Switch load-balancing loss),
 ``a3smoe`` (un-normalised gates rescaled by ``K_max / K_c`` and activation-aware aggregation). The
-rank-heterogeneous LoRA baselines (HetLoRA, FlexLoRA) are in :mod:`rankwise.federated.baselines`.
+rank-heterogeneous LoRA baselines HetLoRA and FlexLoRA are in :mod:`rankwise.federated.baselines`;
+FLoRIST (``florist``: SVD of the stacked client factors with an energy threshold) is here.
 
 Choices that the spec marks as "not from the paper" are listed in docs/methods/ub_smoe.md.
 
@@ -59,7 +60,7 @@ from rankwise.federated.strategy import ClientUpdate, LoRAStrategyLogic, flower_
 from rankwise.federated.tasks import TensorData, dirichlet_partition
 
 __all__ = [
-    "A3SMoELogic", "LoRAMoE", "NaiveSMoELogic", "SMoELLBLogic", "SyntheticMoETask", "UBSMoEConfig", "UBSMoELogic",
+    "A3SMoELogic", "FLoRISTLogic", "LoRAMoE", "NaiveSMoELogic", "SMoELLBLogic", "SyntheticMoETask", "UBSMoEConfig", "UBSMoELogic",
     "apply_pseudo_gradient", "convert_to_lora_moe", "ffn_flops", "global_utilisation", "make_ub_smoe_client_fn",
     "modulated_routing", "moe_layers", "phi_regulariser", "pg_factor", "switch_aux_loss", "target_modulation",
     "ub_smoe_strategy", "update_phi", "utilisation_entropy",
@@ -687,8 +688,66 @@ class A3SMoELogic(UBSMoELogic):
     variant = {"dmr": False, "pseudo_gradient": False, "output_rescale": True, "aggregation": "activation"}
 
 
+class FLoRISTLogic(LoRAStrategyLogic):
+    """FLoRIST (rank-heterogeneous LoRA baseline of the spec): SVD of the stacked client factors, energy threshold.
+
+    Client i trains the first k_i components of the global adapter (as HetLoRA). The server stacks
+    ``B_s = [w_1 B_1, ..., w_n B_n]`` (out, sum k) and ``A_s = [A_1; ...; A_n]`` (sum k, in), so that
+    ``B_s A_s = sum_i w_i B_i A_i`` without forming it; thin QRs of ``B_s`` and ``A_s^T`` and an SVD of
+    the small core give the singular values, and the global adapter keeps the fewest components whose
+    energy ``sum s_j^2`` reaches ``energy`` of the total (at most r): ``B = Q_B U_j sqrt(S_j)``,
+    ``A = sqrt(S_j) V_j^T Q_A^T``, zero beyond j. The kept rank of each module is in :attr:`kept_ranks`.
+    """
+
+    method = "florist"
+    supports_server_optimizer = False
+
+    def __init__(self, *args: Any, energy: float = 0.95, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if not finite_number(energy) or not 0.0 < float(energy) <= 1.0:
+            raise ValueError(f"FLoRIST energy threshold must be in (0, 1], got {energy!r}")
+        self.energy = float(energy)
+        self.kept_ranks: dict[str, int] = {}
+
+    def client_payload(self, rnd: int, pid: int) -> tuple[list[np.ndarray], list, dict[str, float]]:
+        k = self.config.rank_of(pid)
+        arrays, layout = [], []
+        for m in self.modules:
+            a, b = self.tensors[f"{m}.lora_A"][:k].clone(), self.tensors[f"{m}.lora_B"][:, :k].clone()
+            arrays += [a.numpy().astype(np.float32), b.numpy().astype(np.float32)]
+            layout += [(f"{m}.lora_A", tuple(a.shape)), (f"{m}.lora_B", tuple(b.shape))]
+        h_arrays, h_layout = self._head_payload()
+        return arrays + h_arrays, layout + h_layout, {m: self.scaling for m in self.modules}
+
+    def aggregate(self, rnd: int, updates: list[ClientUpdate]) -> None:
+        w = self.weights(updates)
+        r = self.config.rank
+        for m in self.modules:
+            A, B = self.tensors[f"{m}.lora_A"], self.tensors[f"{m}.lora_B"]
+            bs = torch.cat([wi * u.tensors[f"{m}.lora_B"].double() for u, wi in zip(updates, w)], dim=1)
+            As = torch.cat([u.tensors[f"{m}.lora_A"].double() for u in updates], dim=0)
+            qb, rb = torch.linalg.qr(bs)
+            qa, ra = torch.linalg.qr(As.T)
+            u_, s_, vh = torch.linalg.svd(rb @ ra.T, full_matrices=False)
+            e = s_.pow(2)
+            total = float(e.sum())
+            if total <= 0:
+                j = 0
+            else:
+                frac = torch.cumsum(e, 0) / total
+                j = min(r, int((frac < self.energy - 1e-12).sum()) + 1)
+            root = s_[:j].clamp_min(0).sqrt()
+            A.zero_()
+            B.zero_()
+            A[:j] = ((root[:, None] * vh[:j]) @ qa.T).float()
+            B[:, :j] = (qb @ (u_[:, :j] * root[None, :])).float()
+            self.kept_ranks[m] = j
+        for n, d in self._head_average(updates, w).items():
+            self.tensors[n].add_(d)
+
+
 _LOGICS = {"UBSMoEStrategy": UBSMoELogic, "NaiveSMoEStrategy": NaiveSMoELogic, "SMoELLBStrategy": SMoELLBLogic,
-           "A3SMoEStrategy": A3SMoELogic}
+           "A3SMoEStrategy": A3SMoELogic, "FLoRISTStrategy": FLoRISTLogic}
 
 
 def __getattr__(name: str) -> Any:
@@ -987,7 +1046,10 @@ def _register() -> None:
         return make_ub_smoe_client_fn(task, task_kwargs, faults)
 
     for cname, cls in _LOGICS.items():
-        register_method(cls.method, lazy(cls), cname, client_factory=client_factory)
+        if cls is FLoRISTLogic:  # a LoRA method: the shared LoRA client
+            register_method(cls.method, lazy(cls), cname)
+        else:
+            register_method(cls.method, lazy(cls), cname, client_factory=client_factory)
 
 
 register("ub_smoe", config=UBSMoEConfig, entry=ub_smoe_strategy)
