@@ -60,7 +60,8 @@ from rankwise.federated.strategy import ClientUpdate, LoRAStrategyLogic, flower_
 from rankwise.federated.tasks import TensorData, dirichlet_partition
 
 __all__ = [
-    "A3SMoELogic", "FLoRISTLogic", "LoRAMoE", "NaiveSMoELogic", "SMoELLBLogic", "SyntheticMoETask", "UBSMoEConfig", "UBSMoELogic",
+    "A3SMoELogic", "FLoRISTLogic", "LoRAMoE", "NaiveSMoELogic", "SMoELLBLogic", "SyntheticMoETask", "UBSMoEConfig",
+    "UBSMoELogic",
     "apply_pseudo_gradient", "convert_to_lora_moe", "ffn_flops", "global_utilisation", "make_ub_smoe_client_fn",
     "modulated_routing", "moe_layers", "phi_regulariser", "pg_factor", "switch_aux_loss", "target_modulation",
     "ub_smoe_strategy", "update_phi", "utilisation_entropy",
