@@ -509,6 +509,11 @@ def convert_to_lora_moe(model: nn.Module, *, candidate_factor: int = 2) -> nn.Mo
     return model
 
 
+def _natural(name: str) -> list[Any]:
+    """Sort key that orders ``layers.2`` before ``layers.10``."""
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+
+
 def _expert_structure(modules: Iterable[str]) -> dict[str, dict[int, list[str]]]:
     """``{layer: {expert: [lora module names]}}`` parsed from ``<layer>.experts.<i>.<proj>`` names."""
     out: dict[str, dict[int, list[str]]] = {}
@@ -545,7 +550,7 @@ class UBSMoELogic(LoRAStrategyLogic):
         if not struct:
             raise SelectionError("no MoE layer found: the adapter has no '<layer>.experts.<i>.<proj>' module "
                                  f"(modules: {self.modules[:6]})")
-        self.layers = sorted(struct)
+        self.layers = sorted(struct, key=_natural)
         sizes = {len(v) for v in struct.values()}
         if len(sizes) != 1:
             raise ValueError(f"MoE layers have different numbers of LoRA experts: {sorted(sizes)}")
@@ -815,10 +820,11 @@ def local_train_moe(model: nn.Module, data: TensorData, spec: Mapping[str, Any],
 
     Returns the mean task loss and the routing statistics ``{"layers", "counts" (L, M), "tokens" (L,)}``.
     """
-    layers = moe_layers(model)
-    names = [n for n, _ in layers]
-    if list(spec.get("layers", names)) != names:
-        raise ValueError(f"server names MoE layers {spec.get('layers')}, the model has {names}")
+    found = dict(moe_layers(model))
+    names = list(spec.get("layers") or found)
+    if sorted(names) != sorted(found):
+        raise ValueError(f"server names MoE layers {names}, the model has {list(found)}")
+    layers = [(n, found[n]) for n in names]  # statistics in the server's order
     routing = [client_routing(spec, layer) for _, layer in layers]
     for (_, layer), (k, n_p, _) in zip(layers, routing):
         layer.configure(k=k, n_p=n_p, dmr=bool(spec["dmr"]), rescale=bool(spec["rescale"]), record=True)
