@@ -390,7 +390,7 @@ def test_florist_stacked_svd_is_exact_and_thresholds_energy():
 
 
 def test_many_layers_keep_model_order():
-    task = small_task(num_layers=11, num_experts=4, top_k=2, hidden=8, ffn=8)
+    task = small_task(num_layers=11, num_experts=4, top_k=2, hidden=8, ffn=8, expert_scale=0.5)
     s = run("ub-smoe", small_cfg(clients_per_round=1, budget_tiers=(0.5, 1.0)), task, rounds=1)
     assert s.layers[:3] == ["moe.0", "moe.1", "moe.2"] and s.layers[-1] == "moe.10"
     assert s.history[-1]["clients_ok"] == 1 and np.isfinite(s.history[-1]["utilisation_entropy"])
