@@ -53,7 +53,7 @@ SETTINGS: dict[str, dict[str, Any]] = {
               "local_steps": 2, "rows": ["UB-SMoE", "Naive SMoE-FL"]},
     "quick": {"num_clients": 6, "per_client": 64, "n_test": 512, "layers": 1, "rounds": 10, "per_round": 6,
               "local_steps": 5, "rows": ["UB-SMoE", "Naive SMoE-FL", "SMoE-LLB"]},
-    "full": {"num_clients": 12, "per_client": 96, "n_test": 1024, "layers": 2, "rounds": 15, "per_round": 4,
+    "full": {"num_clients": 12, "per_client": 96, "n_test": 1024, "layers": 1, "rounds": 15, "per_round": 4,
              "local_steps": 8, "rows": ["UB-SMoE", "Naive SMoE-FL", "SMoE-LLB", "A3SMoE", "DMR-only", "PG-only",
                                         "HetLoRA (dense K=4)"]},
 }
