@@ -106,9 +106,7 @@ def merge_dirs(dirs: Sequence[str | Path], method: str, rank: int, out: str | Pa
     for p in paths:
         if p.resolve() == out.resolve():
             raise ValueError(f"--out {out} is one of the input adapters; choose another directory")
-    states = []
-    for i, p in enumerate(paths):
-        states.append(import_peft(p))
+    states = [import_peft(p) for p in paths]
     energy: list[float] = []
     if method == "ctm":
         merged, report = ctm.merge_with_report(states, cfg)
