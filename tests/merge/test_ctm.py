@@ -275,3 +275,21 @@ def test_rank_equal_to_R_is_exact_for_ta():
     out = ctm_merge(ads, replace(CtMConfig(rank=6, rule="ta", scale=1.0)))
     for m in MODS:
         assert rel(out.delta_weight(m, torch.float64), sum(a.delta_weight(m, torch.float64) for a in ads)) < 1e-6
+
+
+def test_search_finds_the_best_scale_on_a_validation_callback():
+    from rankwise.merge.ctm import search
+
+    ads = [lora(i) for i in range(3)]
+    target = {m: 0.5 * sum(a.delta_weight(m, torch.float64) for a in ads) for m in MODS}
+
+    def score(state: AdapterState) -> float:  # closeness to half the summed deltas
+        return -sum(float((state.delta_weight(m, torch.float64) - target[m]).norm()) for m in MODS)
+
+    best, s, history = search(ads, score, CtMConfig(rank=4, rule="ta", scale=1.0), lambdas=(0.25, 0.5, 1.0, 2.0),
+                              betas=(0.0, 0.25))
+    assert best.scale == 0.5 and s == max(h[1] for h in history)
+    assert len(history) == len({tuple(h[0].values()) for h in history})  # each setting scored once
+    assert all(h[0]["density"] == 0.25 for h in history)  # TA: the density is not searched
+    with pytest.raises(TypeError, match="callable"):
+        search(ads, 3.0)

@@ -7,7 +7,7 @@
 """
 
 from rankwise.merge.baselines import RULES, SPACES, MergeConfig, merged_deltas, mtc_merge, truncate
-from rankwise.merge.ctm import CtMConfig, CtMReport, ctm_merge, merge_with_report, tucker2
+from rankwise.merge.ctm import CtMConfig, CtMReport, ctm_merge, merge_with_report, search, tucker2
 
 __all__ = [
     "RULES",
@@ -19,6 +19,7 @@ __all__ = [
     "merge_with_report",
     "merged_deltas",
     "mtc_merge",
+    "search",
     "truncate",
     "tucker2",
 ]

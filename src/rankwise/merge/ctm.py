@@ -39,7 +39,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -72,6 +72,7 @@ __all__ = [
     "ctm_merge_layer",
     "merge",
     "merge_with_report",
+    "search",
     "tucker2",
     "tucker_objective",
 ]
@@ -343,6 +344,51 @@ def merge_with_report(adapters: Sequence[AdapterState], config: CtMConfig | None
                             "rel_error": res.hooi.rel_error}
     state = _out_state(inputs, factors, cfg.rank, {"method": "ctm", "merge": asdict(cfg)})
     return state, report
+
+
+LAMBDA_GRID: tuple[float, ...] = (0.25, 0.5, 0.75, 1.0, 1.25, 1.5, 1.75, 2.0)
+DENSITY_GRID: tuple[float, ...] = (0.1, 0.25, 0.5, 1.0)
+BETA_GRID: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75)
+
+
+def search(adapters: Sequence[AdapterState], score: Callable[[AdapterState], float], base: CtMConfig | None = None,
+           *, lambdas: Sequence[float] = LAMBDA_GRID, densities: Sequence[float] = DENSITY_GRID,
+           betas: Sequence[float] = BETA_GRID) -> tuple[CtMConfig, float, list[tuple[dict[str, float], float]]]:
+    """The paper's sequential hyper-parameter search on a validation callback (higher ``score`` is better).
+
+    Starting from ``base`` (default :class:`CtMConfig`), tune λ over ``lambdas``, then the TIES/DARE
+    density over ``densities`` (rules ``ties``/``dare_ties`` only), then β over ``betas``, each at the best
+    setting so far; ties keep the earlier candidate. ``score(merged)`` is called once per distinct
+    setting, e.g. mean normalized validation accuracy. Returns the best config, its score and the
+    history ``[(setting, score), ...]``.
+    """
+    cfg = base or CtMConfig()
+    if not callable(score):
+        raise TypeError(f"search: score must be a callable AdapterState -> float, got {type(score).__name__}")
+    history: list[tuple[dict[str, float], float]] = []
+    seen: dict[tuple[float, float, float], float] = {}
+
+    def evaluate(c: CtMConfig) -> float:
+        key = (c.scale, c.density, c.beta)
+        if key not in seen:
+            val = float(score(merge(adapters, c)))
+            if not math.isfinite(val):
+                raise NumericalError(f"search: score returned {val} for scale={c.scale}, density={c.density}, "
+                                     f"beta={c.beta}")
+            seen[key] = val
+            history.append(({"scale": c.scale, "density": c.density, "beta": c.beta}, val))
+        return seen[key]
+
+    best, best_score = cfg, evaluate(cfg)
+    stages = [("scale", lambdas), ("density", densities if cfg.rule in ("ties", "dare_ties") else ()),
+              ("beta", betas)]
+    for knob, grid in stages:
+        for v in grid:
+            cand = replace(best, **{knob: v})
+            s = evaluate(cand)
+            if s > best_score:
+                best, best_score = cand, s
+    return best, best_score, history
 
 
 def merge(adapters: Sequence[AdapterState], config: CtMConfig | None = None) -> AdapterState:
