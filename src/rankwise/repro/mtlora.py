@@ -323,7 +323,10 @@ def run(mode: str, seeds: Sequence[int], out_dir: Path) -> ReproResult:
         f"spectral term is applied every {S['spectral_every']} steps (the spec's 50 scaled to the shorter runs). "
         "The accuracy claims are expected to hold only qualitatively at this scale (a few hundred steps, two "
         "adapted blocks); the parameter relation is exact: per block mtLoRA has d r + E r d + E G d = 18,432 "
-        "parameters vs HydraLoRA's 2 (d r + E r d + E d) = 33,792 on query+value.")
+        "parameters vs HydraLoRA's 2 (d r + E r d + E d) = 33,792 on query+value. The ablation rows isolate each "
+        "piece (block+spectral vs block only: the spectral term; block+FGR vs block only: fine-grained routing); "
+        "the spectral penalty is quartic in B_i, so early in training (small B_i) its gradient is small next to "
+        "the task's (docs/methods/mtlora.md reports a measurement).")
     result = ReproResult(
         id=ID, mode=mode, seeds=seeds, claim=CLAIM, table=table, checks=checks, figures=figures, notes=notes,
         config={k: (list(map(list, v)) if k == "task_sets" else list(v) if isinstance(v, tuple) else v)
