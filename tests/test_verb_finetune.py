@@ -37,7 +37,8 @@ OPTIONS = {"cdka": {"calib_batches": 1, "budget": "lora_r1"},
 
 
 @pytest.mark.parametrize("method,optimizer", [("lora", "adamw"), ("psoft", "adamw"), ("cdka", "adamw"),
-                                              ("daf", "adamw"), ("lora", "adams"), ("lora", "lracs")])
+                                              ("daf", "adamw"), ("e2lora", "adamw"), ("lora", "adams"),
+                                              ("lora", "lracs")])
 def test_trains_saves_and_reloads_identically(tmp_path, method, optimizer):
     out = tmp_path / "run"
     kw = {"options": OPTIONS[method]} if method in OPTIONS else {}

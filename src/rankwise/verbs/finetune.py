@@ -235,7 +235,7 @@ def _method_config(job: FinetuneJob) -> Any:
     if unknown:
         raise ValueError(f"{cls.__name__} has no field(s) {', '.join(unknown)}; its fields: {', '.join(sorted(fields))}")
     if job.rank is not None:
-        rank_field = next((f for f in ("rank", "r", "lora_rank") if f in fields), None)
+        rank_field = next((f for f in ("rank", "r", "lora_rank", "base_rank") if f in fields), None)
         if rank_field is None:
             raise ValueError(f"--rank does not apply to {job.method} ({cls.__name__} has no rank field); "
                              f"set its size with -o FIELD=VALUE (fields: {', '.join(sorted(fields))})")
@@ -305,6 +305,8 @@ def _apply_method(job: FinetuneJob, config: Any, model: nn.Module, tokenizer: An
     kwargs: dict[str, Any] = {}
     if job.method == "cdka" and (config.config_mode == "aligned" or config.init == "gradient"):
         kwargs["calib"] = _calibration(job, tokenizer, train, config.calib_batches)
+    if job.method == "e2lora":  # the gradient-entropy plan comes from a calibration pass of the frozen model
+        kwargs["calib"] = _calibration(job, tokenizer, train, config.n_calib_batches)
     if job.method == "daf":  # round 0 of the sensitivity analysis, then periodic rounds during training
         kwargs["batches"] = _calibration(job, tokenizer, train, config.analysis_batches)
     mod.adapt(model, config, **kwargs)
