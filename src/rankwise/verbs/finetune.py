@@ -69,7 +69,7 @@ METHODS: dict[str, tuple[str, str]] = {
 OPTIMIZERS = ("adamw", "adams", "lracs")
 #: adapter learning rate when --lr is not given: the rate each method's reproduction selected on a
 #: development split (docs/methods/<method>.md); 1e-3 for a method without one.
-DEFAULT_LR = {"lora": 1e-3, "cdka": 3e-3, "psoft": 1e-2}
+DEFAULT_LR = {"lora": 1e-3, "cdka": 3e-3, "psoft": 1e-2, "e2lora": 1e-3, "daf": 3e-4}
 HEAD_NAMES = ("classifier", "score")
 EMBEDDED = "embedded:all-MiniLM-L6-v2"
 FORMAT = "rankwise-finetune"
