@@ -48,3 +48,22 @@ def test_federate_bad_options(args: list[str], needle: str) -> None:
     res = invoke("federate", "--rounds", "1", *SMALL, *args)
     assert res.exit_code == 2
     assert needle in res.output
+
+
+def test_federate_ub_smoe_defaults_to_the_moe_task(tmp_path: Path) -> None:
+    out = tmp_path / "ub"
+    res = invoke("federate", "--method", "ub-smoe", "--clients", "4", "--rounds", "1", "--clients-per-round", "2",
+                 "--local-steps", "1", "--backend", "inprocess", "--out", str(out))
+    assert res.exit_code == 0, res.output
+    assert "task synthetic-moe" in res.output and "round 1: accuracy" in res.output
+    assert (out / "global_adapter.safetensors").is_file()
+
+
+def test_run_settings_round_trip_keeps_the_ub_smoe_config() -> None:
+    from rankwise.federated.runner import RunSettings
+    from rankwise.federated.ub_smoe import UBSMoEConfig
+
+    cfg = UBSMoEConfig(rank=4, client_ranks={0: 2, 1: 4})
+    s = RunSettings(method="ub-smoe", task="rankwise.federated.ub_smoe:SyntheticMoETask", num_clients=2, config=cfg)
+    back = RunSettings.from_run_config(s.to_run_config())
+    assert type(back.config) is UBSMoEConfig and back.config == cfg

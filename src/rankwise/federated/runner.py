@@ -324,7 +324,16 @@ class RunSettings:
         if cfg.get("target_modules") is not None:
             cfg["target_modules"] = tuple(cfg["target_modules"])
         d["faults"] = {int(k): v for k, v in (d.get("faults") or {}).items()}
-        return cls(config=FSLoRAConfig(**cfg), **d)
+        config_cls = FSLoRAConfig
+        base_fields = {f.name for f in dataclasses.fields(FSLoRAConfig)}
+        if set(cfg) - base_fields:  # a subclass's extra fields (UB-SMoE's): rebuild that subclass
+            from rankwise.federated.ub_smoe import UBSMoEConfig
+
+            config_cls = UBSMoEConfig
+            for k, v in list(cfg.items()):
+                if isinstance(v, list) and k not in ("client_ranks",):
+                    cfg[k] = tuple(v)
+        return cls(config=config_cls(**cfg), **d)
 
 
 def run_settings(method: str = "fslora", **kwargs: Any) -> RunSettings:
@@ -399,3 +408,8 @@ def run_simulation_settings(settings: RunSettings, backend: str = "flower",
     if "strategy" not in holder:
         raise RuntimeError("the Flower simulation ended without starting the server app")
     return holder["strategy"]
+
+
+# methods defined in their own modules register themselves on import; import them here so that every
+# process that resolves a method name (the CLI, the Ray workers, the deployed apps) knows them
+import rankwise.federated.ub_smoe  # noqa: E402,F401

@@ -1,7 +1,8 @@
 """``rankwise federate``: federated LoRA fine-tuning (FSLoRA and baselines) in Flower's simulation engine.
 
-    rankwise federate --method fslora|fedavg|hetlora|flexlora --clients 16 --rounds N [--out DIR]
-                      [--task minilm|synthetic|pkg.module:factory] [--rank 16] [--client-ranks 2,4,8,16]
+    rankwise federate --method fslora|fedavg|hetlora|flexlora|florist|ub-smoe|smoe-naive|smoe-llb|a3smoe
+                      --clients 16 --rounds N [--out DIR]
+                      [--task minilm|synthetic|synthetic-moe|pkg.module:factory] [--rank 16] [--client-ranks 2,4,8,16]
                       [--clients-per-round 5] [--local-steps 8] [--lr 5e-4] [--seed 0] [--resume]
                       [--backend flower|inprocess] [--round-timeout S]
 
@@ -19,7 +20,10 @@ from typing import Any, Optional
 
 import typer
 
-TASKS = {"minilm": "rankwise.repro.fslora:minilm_task", "synthetic": "synthetic"}
+TASKS = {"minilm": "rankwise.repro.fslora:minilm_task", "synthetic": "synthetic",
+         "synthetic-moe": "rankwise.federated.ub_smoe:SyntheticMoETask"}
+#: methods that train LoRA experts of a mixture-of-experts model: their default task has MoE layers
+MOE_METHODS = ("ub-smoe", "smoe-naive", "smoe-llb", "a3smoe")
 
 
 def _ranks(text: Optional[str], rank: int, clients: int) -> dict[int, int]:
@@ -39,13 +43,15 @@ def register(app: typer.Typer) -> None:
     @app.command("federate")
     def federate_cmd(
         ctx: typer.Context,
-        method: str = typer.Option("fslora", "--method", help="fslora, fedavg (Flower's FedAvg), hetlora or flexlora."),
+        method: str = typer.Option("fslora", "--method", help="fslora, fedavg (Flower's FedAvg), hetlora, flexlora, "
+                                   "florist; ub-smoe and its SMoE baselines smoe-naive, smoe-llb, a3smoe."),
         clients: int = typer.Option(16, "--clients", help="Number of simulated clients (SuperNodes)."),
         rounds: int = typer.Option(5, "--rounds", help="Total number of rounds (a resumed run continues to it)."),
         out: Optional[Path] = typer.Option(None, "--out", help="Folder for the per-round checkpoint, the final "
                                            "adapter (global_adapter.safetensors) and history.json."),
-        task: str = typer.Option("minilm", "--task", help="minilm (MiniLM top layers on the zoo's topic task, "
-                                 "cached lower layers), synthetic, or pkg.module:factory."),
+        task: Optional[str] = typer.Option(None, "--task", help="minilm (MiniLM top layers on the zoo's topic task, "
+                                           "cached lower layers; the default), synthetic, synthetic-moe (the "
+                                           "default of the SMoE methods), or pkg.module:factory."),
         rank: int = typer.Option(16, "--rank", help="Global LoRA rank r."),
         alpha: float = typer.Option(16.0, "--alpha", help="LoRA alpha (update scale alpha / r)."),
         client_ranks: Optional[str] = typer.Option(None, "--client-ranks", help="Client ranks / sketch sizes "
@@ -84,9 +90,12 @@ def register(app: typer.Typer) -> None:
             raise typer.BadParameter(f"--rounds must be >= 1, got {rounds}")
         if resume and out is None:
             raise typer.BadParameter("--resume needs --out (the folder holding checkpoint.safetensors)")
+        if task is None:
+            task = "synthetic-moe" if method in MOE_METHODS else "minilm"
         spec = TASKS.get(task, task)
         if spec not in TASKS.values() and ":" not in spec:
-            raise typer.BadParameter(f"unknown task {task!r}; choose minilm, synthetic or pkg.module:factory",
+            raise typer.BadParameter(f"unknown task {task!r}; choose minilm, synthetic, synthetic-moe or "
+                                     "pkg.module:factory",
                                      param_hint="--task")
         ranks = _ranks(client_ranks, rank, clients) if method != "fedavg" else {}
         config = FSLoRAConfig(rank=rank, alpha=alpha, client_ranks=ranks, clients_per_round=per_round,
