@@ -124,9 +124,12 @@ def test_layer_groups_bert_and_llama():
     h.remove()
     args, kw = calls[0]
     lnames = [n for n, m in layer.named_modules() if isinstance(m, nn.Linear)]
-    groups = layer_groups(layer, lnames, lambda: layer(*args, **kw))
-    assert groups == [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["self_attn.o_proj"],
-                      ["mlp.gate_proj", "mlp.up_proj"], ["mlp.down_proj"]]
+    want = [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"], ["self_attn.o_proj"],
+            ["mlp.gate_proj", "mlp.up_proj"], ["mlp.down_proj"]]
+    # repeated: o_proj's input is freed before the MLP's input is allocated, and the allocator may hand
+    # out the same address; the grouping must not mistake the two tensors for one (it did, ~1 run in 4)
+    for _ in range(25):
+        assert layer_groups(layer, lnames, lambda: layer(*args, **kw)) == want
 
 
 # ----------------------------------------------------------------------------------------------

@@ -324,11 +324,15 @@ def layer_groups(block: nn.Module, names: Sequence[str], run: Callable[[], Any])
     """
     seen: list[tuple[str, tuple]] = []
     handles = []
+    # the inputs stay referenced until the grouping is done: a freed input's address can be handed to the
+    # next layer's (different) input tensor, which would then look like the same tensor
+    alive: list[torch.Tensor] = []
 
     def hook(name: str) -> Callable:
         def pre(mod: nn.Module, args: tuple) -> None:
             x = args[0] if args and isinstance(args[0], torch.Tensor) else None
             if x is not None and all(n != name for n, _ in seen):
+                alive.append(x)
                 seen.append((name, (x.untyped_storage().data_ptr(), x.storage_offset(), tuple(x.shape),
                                     tuple(x.stride()))))
         return pre
@@ -341,6 +345,7 @@ def layer_groups(block: nn.Module, names: Sequence[str], run: Callable[[], Any])
     finally:
         for h in handles:
             h.remove()
+    alive.clear()
     missing = [n for n in names if all(n != s for s, _ in seen)]
     if missing:
         raise CalibrationError(f"the calibration batch never reached layer(s) {missing} (the hook never fired); "
