@@ -5,7 +5,8 @@
   of 2-bit QAT (AdamW 1e-3, cosine, 5 % warm-up) with the STE min-max fake quantizer (the spec's
   "2-bit STE QAT"), plain vs WinQ (K = 75, alpha = 0.2, sigma = 1e-3, symmetric noise), every seed;
   reset-only and noise-only ablations on the first seed; the same pair on top of ParetoQ's 2-bit SEQ
-  and LSQ for context (not part of the claim).
+  and LSQ for context (not part of the claim); torchao's own int2 STE QAT as a peer row (context;
+  skipped without torchao).
 * full (<= 10 min, spec): a tiny Llama (hidden 64, 2 layers, byte vocabulary) pretrained in full
   precision for 1000 steps on the docstring corpus (AdamW 3e-3, cosine; cached as safetensors under
   the zoo's cache directory, keyed by a hash of the recipe, the corpus and the library versions),
@@ -112,6 +113,7 @@ def _qat_run(model: nn.Module, sample: Callable[[torch.Generator], Any], loss_fn
              seed: int, winq_cfg: Any | None, hessian: Callable[[nn.Module], list[float]] | None = None) -> dict[str, Any]:
     """One QAT run (plain when ``winq_cfg`` is None); the quantized model is evaluated without noise."""
     from rankwise.train.qat import WinQCallback, check_and_clamp_, distance_to_grid
+    from rankwise.train.qat.baselines import quant_layers
 
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     cb = WinQCallback(steps, winq_cfg) if winq_cfg is not None else None
@@ -154,7 +156,7 @@ def _qat_run(model: nn.Module, sample: Callable[[torch.Generator], Any], loss_fn
             if "acc" in curve:
                 curve["acc"].append(ev["acc"])
     return {"curve": curve, "final": curve["loss"][-1], "final_acc": curve.get("acc", [float("nan")])[-1],
-            "reset_changes": reset_changes, "hessian": hess, "grid_distance": distance_to_grid(model),
+            "reset_changes": reset_changes, "hessian": hess, "grid_distance": distance_to_grid(model) if any(True for _ in quant_layers(model)) else float("nan"),
             "resets": [] if cb is None else [list(r) for r in cb.resets]}
 
 
@@ -212,6 +214,8 @@ def _quick(seeds: list[int]) -> tuple[dict[str, list[dict[str, Any]]], dict[str,
         "ParetoQ-SEQ QAT": ("paretoq", None), "ParetoQ-SEQ QAT + WinQ": ("paretoq", winq),
         "LSQ QAT": ("lsq", None), "LSQ QAT + WinQ": ("lsq", winq),
     }
+    if _torchao_available():  # the peer library's own STE QAT (context, not part of the claim)
+        arms["torchao QAT int2 (peer)"] = ("torchao", None)
     runs: dict[str, list[dict[str, Any]]] = {a: [] for a in arms}
     fp_acc = []
     for seed in seeds:
@@ -220,7 +224,10 @@ def _quick(seeds: list[int]) -> tuple[dict[str, list[dict[str, Any]]], dict[str,
         for arm, (quantizer, cfg) in arms.items():
             if ("only" in arm) and seed != seeds[0]:
                 continue
-            model = prepare_qat(_clone(base), QATConfig(w_bits=2, quantizer=quantizer))
+            if quantizer == "torchao":
+                model = _torchao_prepare(_clone(base))
+            else:
+                model = prepare_qat(_clone(base), QATConfig(w_bits=2, quantizer=quantizer))
             cfg_seeded = None if cfg is None else _reseed(cfg, seed)
             hess = None
             if arm == "STE QAT + WinQ" and seed == seeds[0]:
@@ -231,6 +238,26 @@ def _quick(seeds: list[int]) -> tuple[dict[str, list[dict[str, Any]]], dict[str,
             "fp_lr": 1e-2, "qat_lr": 1e-3, "warmup": 15, "w_bits": 2, "winq": asdict(winq), "fp_test_acc": fp_acc,
             "primary": ("STE QAT", "STE QAT + WinQ")}
     return runs, info
+
+
+def _torchao_available() -> bool:
+    try:
+        import torchao.quantization.qat  # noqa: F401
+    except Exception:  # not installed (the `peers` extra), or built for another torch
+        return False
+    return True
+
+
+def _torchao_prepare(model: nn.Module) -> nn.Module:
+    """torchao's QAT ``prepare`` step: every Linear gets int2 symmetric per-output-channel weight fake-quant
+    (torchao's STE), activations in full precision, as the rankwise STE rows."""
+    from torchao.quantization import quantize_
+    from torchao.quantization.granularity import PerAxis
+    from torchao.quantization.qat import IntxFakeQuantizeConfig, QATConfig as AOQATConfig
+
+    wc = IntxFakeQuantizeConfig(torch.int2, granularity=PerAxis(0), is_symmetric=True)
+    quantize_(model, AOQATConfig(weight_config=wc, step="prepare"))
+    return model
 
 
 def _clone(model: nn.Module) -> nn.Module:

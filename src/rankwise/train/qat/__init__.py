@@ -1,7 +1,7 @@
 """Quantization-aware training: weight fake-quantizers (STE min-max, LSQ, ParetoQ's SEQ / sign /
 ternary), the quantized linear layer and export (:mod:`.baselines`), and WinQ (:mod:`.winq`).
 
-torchao's QAT is not used as a peer: torchao is not installed in the project's environment.
+torchao's own QAT (the ``peers`` extra) runs as a peer row in the WinQ reproduction's quick mode.
 """
 
 from rankwise.train.qat.baselines import (
