@@ -45,6 +45,10 @@ USAGE_EXIT = 2
 import logging as _logging  # noqa: E402
 
 _logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(_logging.ERROR)
+# likewise torchao (the peers extra; PEFT imports it when present) about its CUDA-only kernels, and torch's
+# pytree registry about torchao's enums
+_logging.getLogger("torchao").setLevel(_logging.ERROR)
+_logging.getLogger("torch.utils._pytree").setLevel(_logging.ERROR)
 
 
 def _debug() -> bool:
