@@ -278,6 +278,21 @@ def test_build_report_has_every_paper_and_is_self_contained(repro_cache: Path, t
         assert p["status"] in ("planned", "implemented", "reproduced", "unknown")
 
 
+def test_build_report_writes_strict_json_for_infinite_margins(repro_cache: Path, tmp_path: Path, load_fake) -> None:
+    import dataclasses
+
+    from rankwise.repro.result import ClaimCheck
+
+    results = _results(tmp_path, repro_cache, load_fake)
+    r = results["lora"]
+    # a check whose measured value is -inf (e.g. a log of zero) makes the result's margin -inf
+    r.checks = [dataclasses.replace(r.checks[0], measured=float("-inf"), op=">", threshold=0.0)] + r.checks[1:]
+    assert isinstance(r.checks[0], ClaimCheck) and r.margin == float("-inf")
+    report.build_report(results, tmp_path / "report", mode="smoke")
+    summary = json.loads((tmp_path / "report" / "summary.json").read_text())
+    assert {p["id"]: p for p in summary["papers"]}["lora"]["margin"] == "-inf"
+
+
 def test_build_report_rejects_unknown_ids(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="unknown ids"):
         report.build_report({"nope": None}, tmp_path)

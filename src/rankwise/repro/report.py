@@ -23,7 +23,7 @@ from typing import Any, Mapping, Sequence
 from rankwise import __version__
 from rankwise.core import registry
 from rankwise.repro import harness
-from rankwise.repro.result import BUDGET_S, ReproResult, atomic_write_text
+from rankwise.repro.result import BUDGET_S, ReproResult, _clean, atomic_write_text
 
 log = logging.getLogger(__name__)
 
@@ -274,7 +274,7 @@ def build_report(
         margin = wall = ""
         if isinstance(value, ReproResult):
             missing = _copy_artifacts(id, value, out)
-            rec.update(verdict=value.verdict, margin=None if math.isnan(value.margin) else value.margin,
+            rec.update(verdict=value.verdict, margin=_clean(value.margin),  # strict JSON: NaN -> None, inf -> "inf"
                        mode=value.mode, seeds=list(value.seeds), wall_time_s=value.wall_time_s,
                        cache_hit=value.cache_hit, result_json=f"{id}/result.json",
                        figures=[f"{id}/{f}" for f in value.figures], missing_figures=missing)
