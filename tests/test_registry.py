@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import os
 import re
 from pathlib import Path
 
@@ -16,8 +17,9 @@ REGISTRY_SRC = Path(registry.__file__).read_text(encoding="utf-8")
 
 def _spec_dir() -> Path | None:
     here = Path(__file__).resolve()
-    for cand in (here.parents[1] / "shared" / "methods", here.parents[2] / "shared" / "methods",
-                 Path("/work/shared/methods")):
+    env = os.environ.get("RANKWISE_SPEC_DIR")  # the specs live beside the checkout, not in it
+    for cand in ([Path(env)] if env else []) + [here.parents[1] / "shared" / "methods",
+                                                  here.parents[2] / "shared" / "methods"]:
         if cand.is_dir():
             return cand
     return None

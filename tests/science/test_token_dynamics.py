@@ -257,8 +257,10 @@ def test_config_rejects_bad_values(kw, exc):
 
 
 def test_negative_beta_warns():
-    with pytest.warns(UserWarning, match="beta"):
-        TokenDynamicsConfig(beta=-1.0)
+    with pytest.warns(UserWarning, match="beta") as caught:
+        cfg = TokenDynamicsConfig(beta=-1.0)
+    assert cfg.beta == -1.0  # accepted (repulsive interaction), only flagged
+    assert sum("beta" in str(w.message) for w in caught) == 1
 
 
 def test_bad_init_is_rejected():
