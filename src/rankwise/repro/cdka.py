@@ -6,7 +6,8 @@ task (:func:`negation_task`: ``"<subject> was [not] <adjective> <filler>"``, lab
 food) x (polarity XOR negation); 2 000 train / 1 000 test sentences, at most 16 tokens, batch 16).
 Adapters go on ``query``, ``key``, ``value`` and ``attention.output.dense`` of the top
 ``top_layers`` encoder layers; the frozen layers below are run once and their outputs cached
-(:class:`FrozenPrefix`), so a training step only runs the adapted layers (:class:`TopModel`). Every
+(:class:`rankwise.zoo.cached_encoder.FrozenPrefix`), so a training step only runs the adapted layers
+(:class:`~rankwise.zoo.cached_encoder.TopModel`). Every
 model is trained with the shared loop (:class:`rankwise.train.finetune.Trainer`, AdamW, linear
 schedule with 6 % warm-up, gradient clipping 1.0), all methods in lock step on the same batches.
 
@@ -31,8 +32,9 @@ budget (exact: LoRA's shape is a candidate; a floating-point tie tolerance of 1e
 average over layers align(CDKA-aligned) >= align(LoKr) + 0.05; (b) CDKA-aligned mean test accuracy
 >= LoKr's + 1.0 point and >= LoRA's - 0.5 point. (b) is expected to hold only qualitatively here.
 
-This module also holds the pieces the PSOFT reproduction reuses (task, cached prefix, top model,
-batches, lock-step training, evaluation).
+This module also holds the task that the PSOFT, E2LoRA and DAF reproductions reuse (:func:`negation_task`);
+the cached prefix, top model, batches, lock-step training and evaluation live in
+:mod:`rankwise.zoo.cached_encoder`.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ import random
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import nn
@@ -51,7 +53,18 @@ from torch import nn
 from rankwise.adapt import cdka
 from rankwise.core.select import select
 from rankwise.repro.result import MODES, ClaimCheck, ReproResult, Table, environment
-from rankwise.train.finetune import Batch, FinetuneConfig, Trainer, lockstep
+from rankwise.train.finetune import Batch
+from rankwise.zoo.cached_encoder import (
+    CachedSplit,
+    FrozenPrefix,
+    TopModel,
+    batch_indices,
+    evaluate_cached,
+    median_step_ms,
+    peft_inject,
+    train_lockstep,
+    trainable_adapter_params,
+)
 
 ID = "cdka"
 CLAIM = ("Designing the Kronecker components (shapes r1, r2 and count r chosen per layer under a parameter budget "
@@ -138,196 +151,6 @@ def negation_task(seed: int = 0, n_train: int = 2000, n_test: int = 1000
     rng.shuffle(train)
     rng.shuffle(test)
     return train, test
-
-
-# ------------------------------------------------------------------------------------------------
-# cached frozen prefix + adapted top layers
-# ------------------------------------------------------------------------------------------------
-
-class FrozenPrefix:
-    """The frozen lower part of a BERT encoder (embeddings and the first ``n_frozen`` layers), run once.
-
-    :meth:`encode` returns hidden states ``(N, max_length, hidden)`` (float32) and the attention mask
-    ``(N, max_length)`` for a list of texts, in eval mode (no dropout) without gradients.
-    """
-
-    def __init__(self, bert: nn.Module, tokenizer: Any, n_frozen: int, max_length: int = 16) -> None:
-        self.bert, self.tokenizer, self.n_frozen, self.max_length = bert, tokenizer, n_frozen, max_length
-
-    @torch.no_grad()
-    def encode(self, texts: Sequence[str], chunk: int = 256) -> tuple[torch.Tensor, torch.Tensor]:
-        from transformers.masking_utils import create_bidirectional_mask
-
-        self.bert.eval()
-        hs, ms = [], []
-        for start in range(0, len(texts), chunk):
-            enc = self.tokenizer(list(texts[start:start + chunk]), padding="longest", truncation=True,
-                                 max_length=self.max_length, return_tensors="pt")
-            h = self.bert.embeddings(input_ids=enc["input_ids"], token_type_ids=enc.get("token_type_ids"))
-            m4 = create_bidirectional_mask(config=self.bert.config, inputs_embeds=h,
-                                           attention_mask=enc["attention_mask"])
-            for layer in self.bert.encoder.layer[: self.n_frozen]:
-                h = layer(h, attention_mask=m4)
-                h = h[0] if isinstance(h, tuple) else h
-            pad = self.max_length - h.shape[1]  # padded positions are masked everywhere downstream
-            hs.append(nn.functional.pad(h.float(), (0, 0, 0, pad)))
-            ms.append(nn.functional.pad(enc["attention_mask"], (0, pad)))
-        return torch.cat(hs), torch.cat(ms)
-
-
-class TopModel(nn.Module):
-    """The adapted top layers of the encoder, mean pooling over real tokens and a linear head.
-
-    ``forward(hidden (B, L, H), attention_mask (B, L)) -> logits (B, num_labels)``;
-    :meth:`pooled` gives the mean-pooled final hidden states ``(B, H)`` (the sentence embedding).
-    """
-
-    def __init__(self, bert: nn.Module, n_top: int, num_labels: int, seed: int) -> None:
-        super().__init__()
-        self.config = bert.config
-        self.layers = nn.ModuleList(copy.deepcopy(list(bert.encoder.layer[len(bert.encoder.layer) - n_top:])))
-        self.classifier = nn.Linear(bert.config.hidden_size, num_labels)
-        gen = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            self.classifier.weight.copy_(torch.randn(self.classifier.weight.shape, generator=gen) * 0.02)
-            self.classifier.bias.zero_()
-
-    def pooled(self, hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        from transformers.masking_utils import create_bidirectional_mask
-
-        m4 = create_bidirectional_mask(config=self.config, inputs_embeds=hidden, attention_mask=attention_mask)
-        for layer in self.layers:
-            hidden = layer(hidden, attention_mask=m4)
-            hidden = hidden[0] if isinstance(hidden, tuple) else hidden
-        w = attention_mask[..., None].to(hidden.dtype)
-        return (hidden * w).sum(1) / w.sum(1).clamp_min(1.0)
-
-    def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        return self.classifier(self.pooled(hidden, attention_mask))
-
-
-def _trim(h: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    n = int(m.sum(1).max())
-    return h[:, :n].contiguous(), m[:, :n].contiguous()
-
-
-def batch_indices(n: int, steps: int, batch_size: int, seed: int) -> list[torch.Tensor]:
-    """Example indices of ``steps`` batches: epochs over ``range(n)`` in orders drawn from ``Generator(seed)``."""
-    gen = torch.Generator().manual_seed(seed)
-    out: list[torch.Tensor] = []
-    while len(out) < steps:
-        order = torch.randperm(n, generator=gen)
-        for start in range(0, n - batch_size + 1, batch_size):
-            out.append(order[start:start + batch_size])
-            if len(out) == steps:
-                break
-    return out
-
-
-def cached_batches(hidden: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor,
-                   indices: Sequence[torch.Tensor]) -> list[Batch]:
-    """:class:`~rankwise.train.finetune.Batch` es ``{"hidden", "attention_mask"}`` of the cached rows ``indices``."""
-    out = []
-    for idx in indices:
-        h, m = _trim(hidden[idx], mask[idx])
-        out.append(Batch({"hidden": h, "attention_mask": m}, labels[idx]))
-    return out
-
-
-class CachedSplit:
-    """The cached prefix outputs of the examples a run uses: ``hidden``, ``mask``, ``labels`` and batches.
-
-    Only the examples that some batch (or ``keep_all``) needs are encoded; :meth:`batches` maps the
-    original example indices onto the cached rows.
-    """
-
-    def __init__(self, prefix: FrozenPrefix, data: Sequence[tuple[str, int]],
-                 index_lists: Sequence[Sequence[torch.Tensor]] = (), keep_all: bool = False) -> None:
-        used = sorted(set(range(len(data)))) if keep_all else sorted({int(i) for lst in index_lists for t in lst
-                                                                      for i in t.tolist()})
-        self.row = {i: k for k, i in enumerate(used)}
-        self.hidden, self.mask = prefix.encode([data[i][0] for i in used])
-        self.labels = torch.tensor([data[i][1] for i in used])
-
-    def batches(self, indices: Sequence[torch.Tensor]) -> list[Batch]:
-        rows = [torch.tensor([self.row[int(i)] for i in idx.tolist()]) for idx in indices]
-        return cached_batches(self.hidden, self.mask, self.labels, rows)
-
-
-@torch.no_grad()
-def evaluate_cached(model: nn.Module, hidden: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor,
-                    chunk: int = 250) -> tuple[float, torch.Tensor]:
-    """Accuracy and logits ``(N, C)`` of ``model`` on a cached set, in eval mode (mode restored)."""
-    was = model.training
-    model.eval()
-    try:
-        logits = torch.cat([model(*_trim(hidden[i:i + chunk], mask[i:i + chunk]))
-                            for i in range(0, len(labels), chunk)])
-    finally:
-        model.train(was)
-    return float((logits.argmax(-1) == labels).double().mean()), logits
-
-
-@torch.no_grad()
-def pooled_cached(model: nn.Module, hidden: torch.Tensor, mask: torch.Tensor, chunk: int = 250) -> torch.Tensor:
-    """Sentence embeddings (mean-pooled final hidden states) of ``model.pooled`` on a cached set."""
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    was = inner.training
-    inner.eval()
-    try:
-        return torch.cat([inner.pooled(*_trim(hidden[i:i + chunk], mask[i:i + chunk]))
-                          for i in range(0, hidden.shape[0], chunk)])
-    finally:
-        inner.train(was)
-
-
-def adapter_optimizer(head: nn.Module, lr_adapter: float, lr_head: float, weight_decay: float = 0.0
-                      ) -> Callable[[list[nn.Parameter]], torch.optim.Optimizer]:
-    """AdamW factory with two groups: the head's parameters at ``lr_head``, the rest at ``lr_adapter``."""
-    head_ids = {id(p) for p in head.parameters()}
-
-    def make(params: list[nn.Parameter]) -> torch.optim.Optimizer:
-        groups = [{"params": [p for p in params if id(p) not in head_ids], "lr": lr_adapter},
-                  {"params": [p for p in params if id(p) in head_ids], "lr": lr_head}]
-        return torch.optim.AdamW([g for g in groups if g["params"]], weight_decay=weight_decay)
-    return make
-
-
-def trainable_adapter_params(model: nn.Module) -> int:
-    """Trainable parameters outside the classification head."""
-    return sum(p.numel() for n, p in model.named_parameters() if p.requires_grad and "classifier" not in n)
-
-
-def peft_inject(model: nn.Module, config: Any) -> nn.Module:
-    """``peft.inject_adapter_in_model`` on a TopModel, the head unfrozen afterwards (PEFT freezes it)."""
-    import peft
-
-    with torch.random.fork_rng(devices=[]):  # PEFT draws from the global RNG
-        torch.manual_seed(0)
-        model = peft.inject_adapter_in_model(config, model)
-    for p in model.classifier.parameters():
-        p.requires_grad_(True)
-    return model
-
-
-def train_lockstep(models: dict[str, nn.Module], batches: list[Batch], seed: int,
-                   lrs: dict[str, tuple[float, float]], weight_decay: float = 0.0,
-                   callback: Callable[[int, dict[str, float]], None] | None = None) -> dict[str, Trainer]:
-    """Train every model on the same batches with the shared loop, alternating which goes first each step."""
-    trainers = {}
-    for name, model in models.items():
-        lr_a, lr_h = lrs[name]
-        cfg = FinetuneConfig(lr=lr_a, steps=len(batches), batch_size=len(batches[0]), seed=seed,
-                             weight_decay=weight_decay)
-        trainers[name] = Trainer(model, cfg, len(batches), adapter_optimizer(model.classifier, lr_a, lr_h,
-                                                                             weight_decay))
-    lockstep(trainers, batches, callback)
-    return trainers
-
-
-def median_step_ms(trainer: Trainer) -> float:
-    t = trainer.step_times[1:] if len(trainer.step_times) > 1 else trainer.step_times
-    return 1e3 * statistics.median(t)
 
 
 # ------------------------------------------------------------------------------------------------

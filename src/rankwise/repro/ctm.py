@@ -81,7 +81,7 @@ class Evaluator:
     """Runs the adapted top layers once per split on all tasks' cached inputs and scores each task's head."""
 
     def __init__(self, bert: nn.Module, tok: Any, loras: list[Any], datas: list[Any], recipe: dict[str, Any]) -> None:
-        from rankwise.repro.cdka import FrozenPrefix
+        from rankwise.zoo.cached_encoder import FrozenPrefix
         from rankwise.zoo.task_loras import encode_task, top_model
 
         prefix = FrozenPrefix(bert, tok, len(bert.encoder.layer) - recipe["top_layers"], recipe["max_length"])
@@ -106,7 +106,7 @@ class Evaluator:
     def accuracies(self, state: AdapterState | None, split: str) -> list[float]:
         """Per-task accuracy on ``split`` with ``state`` as the (only) adapter; ``None``: the base encoder."""
         from rankwise.core.lora import lora_layers, set_state, unload
-        from rankwise.repro.cdka import pooled_cached
+        from rankwise.zoo.cached_encoder import pooled_cached
 
         if state is None:
             if lora_layers(self.model):

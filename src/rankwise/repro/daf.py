@@ -45,8 +45,8 @@ import torch
 from torch import nn
 
 from rankwise.adapt import daf
-from rankwise.repro.cdka import (
-    LABELS,
+from rankwise.repro.cdka import LABELS, negation_task
+from rankwise.zoo.cached_encoder import (
     CachedSplit,
     FrozenPrefix,
     TopModel,
@@ -54,7 +54,6 @@ from rankwise.repro.cdka import (
     batch_indices,
     evaluate_cached,
     median_step_ms,
-    negation_task,
     peft_inject,
     trainable_adapter_params,
 )

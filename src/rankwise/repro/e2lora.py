@@ -43,15 +43,14 @@ import torch
 from torch import nn
 
 from rankwise.adapt import e2lora as E
-from rankwise.repro.cdka import (
-    LABELS,
+from rankwise.repro.cdka import LABELS, negation_task
+from rankwise.zoo.cached_encoder import (
     CachedSplit,
     FrozenPrefix,
     TopModel,
     batch_indices,
     evaluate_cached,
     median_step_ms,
-    negation_task,
     peft_inject,
     trainable_adapter_params,
     train_lockstep,

@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from rankwise.adapt import lora, lora_mixer
-from rankwise.repro.cdka import CachedSplit, FrozenPrefix, TopModel, _trim, peft_inject
+from rankwise.zoo.cached_encoder import CachedSplit, FrozenPrefix, TopModel, trim_padding as _trim, peft_inject
 from rankwise.repro.mtlora import adapter_params, epoch_batches, multitask_data, per_task_accuracy
 from rankwise.repro.result import MODES, ClaimCheck, ReproResult, Table, environment
 

@@ -2,7 +2,7 @@
 
 Setting (spec "Reproduction at small scale", adapted to the zoo): the pretrained all-MiniLM-L6-v2
 (:func:`rankwise.zoo.minilm`) frozen; the top ``top_layers`` encoder blocks are adapted and the
-blocks below are run once and cached (:class:`rankwise.repro.cdka.FrozenPrefix` / ``CachedSplit``);
+blocks below are run once and cached (:class:`rankwise.zoo.cached_encoder.FrozenPrefix` / ``CachedSplit``);
 mean-pooled final hidden states go to ONE shared linear head over the union of the tasks' label
 spaces. The tasks are the zoo's docstring text tasks (:func:`rankwise.zoo.text_task`); every text is
 prefixed with a task tag (``"[t03] ..."``) so that one model serves all tasks (the same docstring can
@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from rankwise.adapt import mtlora
-from rankwise.repro.cdka import CachedSplit, FrozenPrefix, TopModel, _trim, peft_inject
+from rankwise.zoo.cached_encoder import CachedSplit, FrozenPrefix, TopModel, trim_padding as _trim, peft_inject
 from rankwise.repro.result import MODES, ClaimCheck, ReproResult, Table, environment
 
 ID = "mtlora"

@@ -52,16 +52,14 @@ import torch
 from torch import nn
 
 from rankwise.adapt import psoft
-from rankwise.repro.cdka import (
-    LABELS,
-    TARGETS,
+from rankwise.repro.cdka import LABELS, TARGETS, negation_task
+from rankwise.zoo.cached_encoder import (
     CachedSplit,
     FrozenPrefix,
     TopModel,
     batch_indices,
     evaluate_cached,
     median_step_ms,
-    negation_task,
     peft_inject,
     pooled_cached,
     trainable_adapter_params,

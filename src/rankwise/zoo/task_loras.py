@@ -11,7 +11,7 @@ anew. A build writes into a temporary folder and renames it into place.
 Recipe (:data:`RECIPE`): the pretrained all-MiniLM-L6-v2 (:func:`rankwise.zoo.minilm`), frozen;
 LoRA rank 8, alpha 8 (scale 1, as the CtM paper's alpha = r) on ``query``, ``key``, ``value`` and
 ``attention.output.dense`` of the top ``top_layers`` encoder layers (the lower layers' outputs are
-computed once and cached, :class:`rankwise.repro.cdka.FrozenPrefix`); mean pooling and a per-task
+computed once and cached, :class:`rankwise.zoo.cached_encoder.FrozenPrefix`); mean pooling and a per-task
 linear head trained with the LoRA (never merged). Texts cut at ``max_length`` WordPiece tokens.
 Data: :func:`rankwise.zoo.text_task` (``seed`` picks the training examples and their order); the
 last ``n_val`` training examples are held out as the validation split that the merge reproduction
@@ -20,7 +20,7 @@ head lr 1e-2), batch 32, ``epochs`` passes, LoRA A from a seeded kaiming init, h
 
 Cost (measured, one thread, top_layers = 2): about 5-15 s of CPU per task LoRA; the six tasks of
 :data:`TASKS` for one seed take about a minute. Modules in the AdapterState are named as in
-:class:`~rankwise.repro.cdka.TopModel` (``layers.<i>.attention.self.query``, ...).
+:class:`~rankwise.zoo.cached_encoder.TopModel` (``layers.<i>.attention.self.query``, ...).
 
     from rankwise.zoo.task_loras import task_lora, TASKS
     tl = task_lora("topic", seed=0)    # TaskLoRA(task, labels, state, head, metrics, path)
@@ -127,8 +127,8 @@ def task_lora_path(task: str, seed: int = 0, recipe: dict[str, Any] | None = Non
 
 
 def top_model(bert: nn.Module, num_labels: int, seed: int, recipe: dict[str, Any] | None = None) -> nn.Module:
-    """A :class:`rankwise.repro.cdka.TopModel` (copies of the top layers + a head) for ``recipe``."""
-    from rankwise.repro.cdka import TopModel
+    """A :class:`rankwise.zoo.cached_encoder.TopModel` (copies of the top layers + a head) for ``recipe``."""
+    from rankwise.zoo.cached_encoder import TopModel
 
     R = recipe or RECIPE
     return TopModel(bert, R["top_layers"], num_labels, seed)
@@ -141,7 +141,7 @@ def encode_task(prefix: Any, data: Sequence[tuple[str, int]]) -> tuple[torch.Ten
 
 
 def _train(task: str, seed: int, R: dict[str, Any], bert: nn.Module, tok: Any) -> tuple[AdapterState, dict, dict]:
-    from rankwise.repro.cdka import FrozenPrefix, batch_indices, cached_batches, evaluate_cached
+    from rankwise.zoo.cached_encoder import FrozenPrefix, batch_indices, cached_batches, evaluate_cached
 
     data = task_data(task, seed, R)
     prefix = FrozenPrefix(bert, tok, len(bert.encoder.layer) - R["top_layers"], R["max_length"])
