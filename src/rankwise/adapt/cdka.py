@@ -53,22 +53,22 @@ component ``i`` in columns ``i::r``).
 from __future__ import annotations
 
 import contextlib
-import copy
 import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
 
-from rankwise.core import io
+from rankwise.core import adapters, io
+from rankwise.core.adapters import AdapterLayer, validate_adapter_name
 from rankwise.core.errors import ArtifactError, NumericalError, RankwiseError, SelectionError
 from rankwise.core.linalg import kron_rearrange
 from rankwise.core.registry import register
 from rankwise.core.select import Selector, available_names, select
-from rankwise.core.surgery import replace_module, transaction
+from rankwise.core.surgery import replace_module
 
 __all__ = [
     "CDKAChoice",
@@ -111,7 +111,6 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 _KIND = "rankwise.cdka"
 _OWN_FILES = {CONFIG_FILE, WEIGHTS_FILE}
-_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]*$")
 _BUDGET_RE = re.compile(r"^lora_r([1-9][0-9]*)$")
 #: Relative tolerance under which two alignment scores count as tied.
 TIE_RTOL = 1e-9
@@ -477,16 +476,7 @@ def _owned(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.detach().to(device).clone(memory_format=torch.contiguous_format)
 
 
-def validate_adapter_name(name: str) -> str:
-    """Adapter names are identifiers (letters, digits, ``_``, ``-``), not ModuleDict attributes."""
-    if not isinstance(name, str) or not _NAME_RE.match(name):
-        raise ValueError(f"adapter name must match {_NAME_RE.pattern} (no dots or spaces), got {name!r}")
-    if hasattr(nn.ModuleDict(), name):
-        raise ValueError(f"adapter name {name!r} clashes with an nn.ModuleDict attribute; choose another")
-    return name
-
-
-class CDKALinear(nn.Module):
+class CDKALinear(AdapterLayer):
     """An ``nn.Linear`` with named CDKA adapters: ``y = base(x) + sum_active s_k K_k(dropout(x))``.
 
     ``K(x) = x (sum B_k ⊗ A_k)^T - x (sum B0_k ⊗ A0_k)^T`` (the second term only with a gradient
@@ -495,52 +485,28 @@ class CDKALinear(nn.Module):
     (buffers, same shapes, or None). State-dict keys ``<layer>.cdka.<name>.{A,B,A0,B0}``.
     """
 
-    is_rankwise_wrapper = True
+    adapter_store = "cdka"
+    adapter_fields = ("cdka", "cdka_dropout", "scaling", "adapter_config")
+    adapter_label = "CDKA adapter"
+    family = "CDKA"
 
     def __init__(self, base_layer: nn.Linear, layer_name: str = "") -> None:
-        super().__init__()
         if not isinstance(base_layer, nn.Linear):
             raise TypeError(f"CDKALinear wraps nn.Linear, got {type(base_layer).__name__}"
                             f"{' at ' + layer_name if layer_name else ''}")
-        self.base_layer = base_layer
+        super().__init__(base_layer, layer_name)
         self.in_features = base_layer.in_features
         self.out_features = base_layer.out_features
         self.cdka = nn.ModuleDict()
         self.cdka_dropout = nn.ModuleDict()
         self.scaling: dict[str, float] = {}
-        self.adapter_config: dict[str, dict[str, Any]] = {}
-        self.active_adapters: list[str] = []
-        self.disabled = False
-        self.merged_adapters: list[str] = []
-        self.layer_name = layer_name
-        self.fingerprint_values = {n: io.value_sample(p) for n, p in base_layer.named_parameters()
-                                   if not p.is_meta}
         self.train(base_layer.training)
-
-    def _where(self) -> str:
-        return f"layer {self.layer_name!r}" if self.layer_name else "CDKALinear"
-
-    @property
-    def weight(self) -> torch.Tensor:
-        return self.base_layer.weight
-
-    @property
-    def bias(self) -> torch.Tensor | None:
-        return self.base_layer.bias
-
-    @property
-    def adapters(self) -> list[str]:
-        return list(self.cdka.keys())
 
     def shape_of(self, name: str) -> tuple[int, int, int]:
         """``(r1, r2, r)`` of adapter ``name``."""
         self._require(name)
         c = self.cdka[name]
         return int(c.A.shape[1]), int(c.B.shape[2]), int(c.A.shape[0])
-
-    def _require(self, name: str) -> None:
-        if name not in self.cdka:
-            raise KeyError(f"{self._where()} has no adapter {name!r} (it has {self.adapters})")
 
     def set_components(self, name: str, B: torch.Tensor, A: torch.Tensor, scaling: float, *,
                        B0: torch.Tensor | None = None, A0: torch.Tensor | None = None, dropout: float = 0.0,
@@ -576,27 +542,6 @@ class CDKALinear(nn.Module):
         if name not in self.active_adapters and not self.active_adapters:
             self.active_adapters = [name]
 
-    def delete_adapter(self, name: str) -> None:
-        self._require(name)
-        if name in self.merged_adapters:
-            raise RankwiseError(f"{self._where()}: adapter {name!r} is merged; unmerge before deleting it")
-        del self.cdka[name]
-        del self.cdka_dropout[name]
-        self.scaling.pop(name, None)
-        self.adapter_config.pop(name, None)
-        self.active_adapters = [n for n in self.active_adapters if n != name]
-
-    def set_active(self, names: str | Sequence[str]) -> None:
-        names = [names] if isinstance(names, str) else list(names)
-        for n in names:
-            self._require(n)
-        if self.merged_adapters:
-            raise RankwiseError(f"{self._where()}: adapters {self.merged_adapters} are merged; unmerge first")
-        self.active_adapters = names
-
-    def set_enabled(self, enabled: bool) -> None:
-        self.disabled = not enabled
-
     # -- math ---------------------------------------------------------------------------------
     def delta_weight(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """``s (sum B_k ⊗ A_k - sum B0_k ⊗ A0_k)``, shape ``(out, in)``, in ``dtype`` (default float32/64)."""
@@ -607,34 +552,6 @@ class CDKALinear(nn.Module):
         if c.has_offset:
             d = d - kron_delta(c.B0.to(dt), c.A0.to(dt))
         return d * self.scaling[name]
-
-    def merge(self) -> bool:
-        """Add the active adapters' updates to the base weight; returns whether anything was merged."""
-        if self.merged_adapters:
-            raise RankwiseError(f"{self._where()}: already merged ({self.merged_adapters}); unmerge first")
-        if self.disabled or not self.active_adapters:
-            return False
-        w = self.base_layer.weight
-        deltas = [(n, self.delta_weight(n, torch.promote_types(w.dtype, torch.float32)))
-                  for n in self.active_adapters]
-        for n, d in deltas:
-            if not bool(torch.isfinite(d).all()):
-                raise NumericalError(f"{self._where()}: adapter {n!r} holds non-finite values; cannot merge")
-        with torch.no_grad():
-            total = sum(d for _, d in deltas)
-            w.add_(total.to(w.dtype))
-        self.merged_adapters = list(self.active_adapters)
-        return True
-
-    def unmerge(self) -> None:
-        if not self.merged_adapters:
-            return
-        w = self.base_layer.weight
-        with torch.no_grad():
-            total = sum(self.delta_weight(n, torch.promote_types(w.dtype, torch.float32))
-                        for n in self.merged_adapters)
-            w.sub_(total.to(w.dtype))
-        self.merged_adapters = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         result = self.base_layer(x)
@@ -654,25 +571,6 @@ class CDKALinear(nn.Module):
         return (f"in_features={self.in_features}, out_features={self.out_features}, adapters(r1,r2,r)={shapes}, "
                 f"active={self.active_adapters}, merged={self.merged_adapters}, disabled={self.disabled}")
 
-    # -- snapshot / restore (all-or-nothing model operations) ----------------------------------
-    def _snapshot(self) -> dict[str, Any]:
-        return {"C": dict(self.cdka.items()), "D": dict(self.cdka_dropout.items()), "scaling": dict(self.scaling),
-                "config": copy.deepcopy(self.adapter_config), "active": list(self.active_adapters),
-                "disabled": self.disabled, "merged": list(self.merged_adapters),
-                "flags": {n: p.requires_grad for n, p in self.named_parameters()}}
-
-    def _restore(self, snap: dict[str, Any]) -> None:
-        self.cdka = nn.ModuleDict(snap["C"])
-        self.cdka_dropout = nn.ModuleDict(snap["D"])
-        self.scaling = snap["scaling"]
-        self.adapter_config = snap["config"]
-        self.active_adapters = snap["active"]
-        self.disabled = snap["disabled"]
-        self.merged_adapters = snap["merged"]
-        for n, p in self.named_parameters():
-            if n in snap["flags"]:
-                p.requires_grad_(snap["flags"][n])
-
 
 # ------------------------------------------------------------------------------------------------
 # model-level helpers
@@ -680,26 +578,15 @@ class CDKALinear(nn.Module):
 
 def cdka_layers(model: nn.Module) -> list[tuple[str, CDKALinear]]:
     """``(qualified name, CDKALinear)`` of every CDKA layer of ``model``, in model order."""
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, CDKALinear)]
+    return adapters.adapted_layers(model, CDKALinear)
 
 
 def adapter_names(model: nn.Module) -> list[str]:
-    out: dict[str, None] = {}
-    for _, layer in cdka_layers(model):
-        out.update(dict.fromkeys(layer.adapters))
-    return list(out)
+    return adapters.adapter_names(model, CDKALinear)
 
 
-@contextlib.contextmanager
-def _all_or_nothing(model: nn.Module) -> Iterator[None]:
-    snaps = [(layer, layer._snapshot()) for _, layer in cdka_layers(model)]
-    with transaction(model):
-        try:
-            yield
-        except BaseException:
-            for layer, snap in snaps:
-                layer._restore(snap)
-            raise
+def _all_or_nothing(model: nn.Module) -> contextlib.AbstractContextManager[None]:
+    return adapters.all_or_nothing(model, CDKALinear)
 
 
 def _sync_trainable(model: nn.Module, freeze_base: bool) -> None:
@@ -952,90 +839,44 @@ def report(model: nn.Module, name: str | None = None) -> list[dict[str, Any]]:
 
 
 def _require_adapter(model: nn.Module, name: str) -> list[tuple[str, CDKALinear]]:
-    layers = [(n, m) for n, m in cdka_layers(model) if name in m.cdka]
-    if not layers:
-        raise KeyError(f"the model has no CDKA adapter named {name!r}; it has {adapter_names(model) or 'none'}")
-    return layers
+    return adapters.require_adapter(model, name, CDKALinear)
 
 
 def set_active(model: nn.Module, names: str | Sequence[str]) -> None:
     """Make ``names`` the active (trainable) adapter(s) of every CDKA layer; others inactive (frozen)."""
-    names = [names] if isinstance(names, str) else list(names)
-    have = adapter_names(model)
-    missing = [n for n in names if n not in have]
-    if missing:
-        raise KeyError(f"no CDKA adapter named {missing} in the model; it has {have or 'none'}")
-    with _all_or_nothing(model):
-        for _, layer in cdka_layers(model):
-            layer.set_active([n for n in names if n in layer.cdka])
-        _sync_trainable(model, freeze_base=False)
+    adapters.set_active(model, names, CDKALinear, _sync_trainable)
 
 
 def enable_adapters(model: nn.Module) -> None:
     """Turn the active adapters back on (after :func:`disable_adapters`)."""
-    for _, layer in cdka_layers(model):
-        layer.set_enabled(True)
+    adapters.enable_adapters(model, CDKALinear)
 
 
 def disable_adapters(model: nn.Module) -> None:
     """Make the model compute the base model's outputs (adapters kept). Refused while merged."""
-    layers = cdka_layers(model)
-    merged = [n for n, layer in layers if layer.merged_adapters]
-    if merged:
-        raise RankwiseError(f"adapters are merged into {merged[:3]}; unmerge before disabling")
-    for _, layer in layers:
-        layer.set_enabled(False)
+    adapters.disable_adapters(model, CDKALinear)
 
 
 def merge(model: nn.Module) -> nn.Module:
     """Merge the active adapters into the base weights (``W0 += s sum(B⊗A - B0⊗A0)``); all-or-nothing."""
-    layers = cdka_layers(model)
-    if not layers:
-        raise RankwiseError("the model has no CDKA layers to merge")
-    already = [n for n, layer in layers if layer.merged_adapters]
-    if already:
-        raise RankwiseError(f"adapters are already merged in {already[:3]}; unmerge before merging again")
-    done: list[CDKALinear] = []
-    try:
-        for _, layer in layers:
-            if layer.merge():
-                done.append(layer)
-    except BaseException:
-        for layer in reversed(done):
-            layer.unmerge()
-        raise
+    adapters.merge_all(model, CDKALinear)
     return model
 
 
 def unmerge(model: nn.Module) -> nn.Module:
     """Subtract merged adapters from the base weights (exact up to float rounding)."""
-    layers = [layer for _, layer in cdka_layers(model) if layer.merged_adapters]
-    if not layers:
-        raise RankwiseError("no CDKA adapter is merged in this model")
-    for layer in layers:
-        layer.unmerge()
+    adapters.unmerge_all(model, CDKALinear)
     return model
 
 
 def delete_adapter(model: nn.Module, name: str) -> None:
     """Remove adapter ``name`` everywhere (a layer left without adapters gets its plain Linear back)."""
-    layers = _require_adapter(model, name)
-    with _all_or_nothing(model):
-        for lname, layer in layers:
-            layer.delete_adapter(name)
-            if not layer.adapters:
-                replace_module(model, lname, layer.base_layer)
+    adapters.delete_adapter(model, name, CDKALinear)
 
 
 def unload(model: nn.Module, merge_first: bool = True) -> nn.Module:
     """Replace every CDKALinear by its base Linear (merging the active adapters first if ``merge_first``)."""
-    layers = cdka_layers(model)
-    with _all_or_nothing(model):
-        if merge_first and layers and not any(layer.merged_adapters for _, layer in layers):
-            merge(model)
-        for lname, layer in layers:
-            replace_module(model, lname, layer.base_layer)
-    return model
+    return adapters.unload(model, CDKALinear, merge_first)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -48,21 +48,20 @@ Usage::
 from __future__ import annotations
 
 import contextlib
-import copy
-import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 from torch import nn
 
-from rankwise.core import io
+from rankwise.core import adapters, io
+from rankwise.core.adapters import AdapterLayer, validate_adapter_name
 from rankwise.core.errors import ArtifactError, NumericalError, RankwiseError, SelectionError
 from rankwise.core.registry import register
 from rankwise.core.select import Selector, available_names, select
-from rankwise.core.surgery import replace_module, transaction
+from rankwise.core.surgery import replace_module
 
 __all__ = [
     "PSOFTConfig",
@@ -94,7 +93,6 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 _KIND = "rankwise.psoft"
 _OWN_FILES = {CONFIG_FILE, WEIGHTS_FILE}
-_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]*$")
 _UNSUPPORTED = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding, nn.EmbeddingBag)
 #: Above this spectral norm of Q the Neumann series converges slowly (it diverges at 1): a warning suggests "exact".
 NEUMANN_WARN_NORM = 0.9
@@ -338,21 +336,13 @@ def _owned(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.detach().to(device).clone(memory_format=torch.contiguous_format)
 
 
-def validate_adapter_name(name: str) -> str:
-    if not isinstance(name, str) or not _NAME_RE.match(name):
-        raise ValueError(f"adapter name must match {_NAME_RE.pattern} (no dots or spaces), got {name!r}")
-    if hasattr(nn.ModuleDict(), name):
-        raise ValueError(f"adapter name {name!r} clashes with an nn.ModuleDict attribute; choose another")
-    return name
-
-
 def _is_conv1d(m: nn.Module) -> bool:
     """transformers' ``Conv1D`` (GPT-2): a linear map with weight stored ``(in, out)``."""
     return type(m).__name__ == "Conv1D" and hasattr(m, "nf") and getattr(m, "weight", None) is not None \
         and m.weight.ndim == 2
 
 
-class PSOFTLinear(nn.Module):
+class PSOFTLinear(AdapterLayer):
     """A linear layer with named PSOFT adapters: ``y = base(x) + sum_active B (M - I) A dropout(x)``.
 
     ``base_layer`` is an ``nn.Linear`` or a transformers ``Conv1D`` (weight ``(in, out)``, handled by
@@ -361,54 +351,35 @@ class PSOFTLinear(nn.Module):
     ``.alpha (r,)``, ``.beta (r,)`` (parameters).
     """
 
-    is_rankwise_wrapper = True
+    adapter_store = "psoft"
+    adapter_fields = ("psoft", "psoft_dropout", "adapter_config")
+    adapter_label = "PSOFT adapter"
+    family = "PSOFT"
 
     def __init__(self, base_layer: nn.Module, layer_name: str = "") -> None:
-        super().__init__()
         if isinstance(base_layer, nn.Linear):
-            self.fan_in_fan_out = False
-            self.in_features, self.out_features = base_layer.in_features, base_layer.out_features
+            fan_in_fan_out = False
+            in_features, out_features = base_layer.in_features, base_layer.out_features
         elif _is_conv1d(base_layer):
-            self.fan_in_fan_out = True
-            self.in_features, self.out_features = base_layer.weight.shape
+            fan_in_fan_out = True
+            in_features, out_features = base_layer.weight.shape
         else:
             raise TypeError(f"PSOFTLinear wraps nn.Linear (or transformers Conv1D), got {type(base_layer).__name__}"
                             f"{' at ' + layer_name if layer_name else ''}")
-        self.base_layer = base_layer
+        super().__init__(base_layer, layer_name)
+        self.fan_in_fan_out = fan_in_fan_out
+        self.in_features, self.out_features = in_features, out_features
         self.psoft = nn.ModuleDict()
         self.psoft_dropout = nn.ModuleDict()
-        self.adapter_config: dict[str, dict[str, Any]] = {}
-        self.active_adapters: list[str] = []
-        self.disabled = False
-        self.merged_adapters: list[str] = []
-        self.layer_name = layer_name
-        self.fingerprint_values = {n: io.value_sample(p) for n, p in base_layer.named_parameters()
-                                   if not p.is_meta}
         self.train(base_layer.training)
-
-    def _where(self) -> str:
-        return f"layer {self.layer_name!r}" if self.layer_name else "PSOFTLinear"
-
-    @property
-    def weight(self) -> torch.Tensor:
-        return self.base_layer.weight
-
-    @property
-    def bias(self) -> torch.Tensor | None:
-        return self.base_layer.bias
 
     def dense_weight(self) -> torch.Tensor:
         """The base weight in ``(out, in)`` layout (a view; transposed for Conv1D)."""
         w = self.base_layer.weight
         return w.T if self.fan_in_fan_out else w
 
-    @property
-    def adapters(self) -> list[str]:
-        return list(self.psoft.keys())
-
-    def _require(self, name: str) -> None:
-        if name not in self.psoft:
-            raise KeyError(f"{self._where()} has no adapter {name!r} (it has {self.adapters})")
+    def merge_target(self) -> torch.Tensor:
+        return self.dense_weight()
 
     def add_adapter(self, name: str, A: torch.Tensor, B: torch.Tensor, *, orth: bool = True, train_alpha: bool = True,
                     train_beta: bool = True, cayley_mode: str = "neumann", terms: int = 5, eps: float | None = None,
@@ -436,26 +407,6 @@ class PSOFTLinear(nn.Module):
         self.adapter_config[name] = cfg
         return core
 
-    def delete_adapter(self, name: str) -> None:
-        self._require(name)
-        if name in self.merged_adapters:
-            raise RankwiseError(f"{self._where()}: adapter {name!r} is merged; unmerge before deleting it")
-        del self.psoft[name]
-        del self.psoft_dropout[name]
-        self.adapter_config.pop(name, None)
-        self.active_adapters = [n for n in self.active_adapters if n != name]
-
-    def set_active(self, names: str | Sequence[str]) -> None:
-        names = [names] if isinstance(names, str) else list(names)
-        for n in names:
-            self._require(n)
-        if self.merged_adapters:
-            raise RankwiseError(f"{self._where()}: adapters {self.merged_adapters} are merged; unmerge first")
-        self.active_adapters = names
-
-    def set_enabled(self, enabled: bool) -> None:
-        self.disabled = not enabled
-
     def delta_weight(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """``B (M - I) A``, shape ``(out, in)``, in ``dtype`` (default float32, or float64 for float64 factors)."""
         self._require(name)
@@ -465,30 +416,6 @@ class PSOFTLinear(nn.Module):
             M = c.matrix().to(dt)
             D = M - torch.eye(c.r, dtype=dt, device=M.device)
             return c.B.to(dt) @ D @ c.A.to(dt)
-
-    def merge(self) -> bool:
-        if self.merged_adapters:
-            raise RankwiseError(f"{self._where()}: already merged ({self.merged_adapters}); unmerge first")
-        if self.disabled or not self.active_adapters:
-            return False
-        w = self.dense_weight()
-        deltas = [(n, self.delta_weight(n, torch.promote_types(w.dtype, torch.float32))) for n in self.active_adapters]
-        for n, d in deltas:
-            if not bool(torch.isfinite(d).all()):
-                raise NumericalError(f"{self._where()}: adapter {n!r} holds non-finite values; cannot merge")
-        with torch.no_grad():
-            w.add_(sum(d for _, d in deltas).to(w.dtype))
-        self.merged_adapters = list(self.active_adapters)
-        return True
-
-    def unmerge(self) -> None:
-        if not self.merged_adapters:
-            return
-        w = self.dense_weight()
-        with torch.no_grad():
-            w.sub_(sum(self.delta_weight(n, torch.promote_types(w.dtype, torch.float32))
-                       for n in self.merged_adapters).to(w.dtype))
-        self.merged_adapters = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         result = self.base_layer(x)
@@ -506,23 +433,6 @@ class PSOFTLinear(nn.Module):
         return (f"in_features={self.in_features}, out_features={self.out_features}, adapters(r)={ranks}, "
                 f"active={self.active_adapters}, merged={self.merged_adapters}, disabled={self.disabled}")
 
-    def _snapshot(self) -> dict[str, Any]:
-        return {"C": dict(self.psoft.items()), "D": dict(self.psoft_dropout.items()),
-                "config": copy.deepcopy(self.adapter_config), "active": list(self.active_adapters),
-                "disabled": self.disabled, "merged": list(self.merged_adapters),
-                "flags": {n: p.requires_grad for n, p in self.named_parameters()}}
-
-    def _restore(self, snap: dict[str, Any]) -> None:
-        self.psoft = nn.ModuleDict(snap["C"])
-        self.psoft_dropout = nn.ModuleDict(snap["D"])
-        self.adapter_config = snap["config"]
-        self.active_adapters = snap["active"]
-        self.disabled = snap["disabled"]
-        self.merged_adapters = snap["merged"]
-        for n, p in self.named_parameters():
-            if n in snap["flags"]:
-                p.requires_grad_(snap["flags"][n])
-
 
 # ------------------------------------------------------------------------------------------------
 # model-level operations
@@ -530,26 +440,15 @@ class PSOFTLinear(nn.Module):
 
 def psoft_layers(model: nn.Module) -> list[tuple[str, PSOFTLinear]]:
     """``(qualified name, PSOFTLinear)`` of every PSOFT layer of ``model``, in model order."""
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, PSOFTLinear)]
+    return adapters.adapted_layers(model, PSOFTLinear)
 
 
 def adapter_names(model: nn.Module) -> list[str]:
-    out: dict[str, None] = {}
-    for _, layer in psoft_layers(model):
-        out.update(dict.fromkeys(layer.adapters))
-    return list(out)
+    return adapters.adapter_names(model, PSOFTLinear)
 
 
-@contextlib.contextmanager
-def _all_or_nothing(model: nn.Module) -> Iterator[None]:
-    snaps = [(layer, layer._snapshot()) for _, layer in psoft_layers(model)]
-    with transaction(model):
-        try:
-            yield
-        except BaseException:
-            for layer, snap in snaps:
-                layer._restore(snap)
-            raise
+def _all_or_nothing(model: nn.Module) -> contextlib.AbstractContextManager[None]:
+    return adapters.all_or_nothing(model, PSOFTLinear)
 
 
 def _sync_trainable(model: nn.Module, freeze_base: bool) -> None:
@@ -666,10 +565,7 @@ apply_psoft = adapt
 
 
 def _require_adapter(model: nn.Module, name: str) -> list[tuple[str, PSOFTLinear]]:
-    layers = [(n, m) for n, m in psoft_layers(model) if name in m.psoft]
-    if not layers:
-        raise KeyError(f"the model has no PSOFT adapter named {name!r}; it has {adapter_names(model) or 'none'}")
-    return layers
+    return adapters.require_adapter(model, name, PSOFTLinear)
 
 
 @torch.no_grad()
@@ -697,79 +593,36 @@ def orthogonality_report(model: nn.Module, name: str | None = None) -> list[dict
 
 def set_active(model: nn.Module, names: str | Sequence[str]) -> None:
     """Make ``names`` the active (trainable) adapter(s) of every PSOFT layer; others inactive (frozen)."""
-    names = [names] if isinstance(names, str) else list(names)
-    have = adapter_names(model)
-    missing = [n for n in names if n not in have]
-    if missing:
-        raise KeyError(f"no PSOFT adapter named {missing} in the model; it has {have or 'none'}")
-    with _all_or_nothing(model):
-        for _, layer in psoft_layers(model):
-            layer.set_active([n for n in names if n in layer.psoft])
-        _sync_trainable(model, freeze_base=False)
+    adapters.set_active(model, names, PSOFTLinear, _sync_trainable)
 
 
 def enable_adapters(model: nn.Module) -> None:
-    for _, layer in psoft_layers(model):
-        layer.set_enabled(True)
+    adapters.enable_adapters(model, PSOFTLinear)
 
 
 def disable_adapters(model: nn.Module) -> None:
     """Make the model compute the base model's outputs (adapters kept). Refused while merged."""
-    layers = psoft_layers(model)
-    merged = [n for n, layer in layers if layer.merged_adapters]
-    if merged:
-        raise RankwiseError(f"adapters are merged into {merged[:3]}; unmerge before disabling")
-    for _, layer in layers:
-        layer.set_enabled(False)
+    adapters.disable_adapters(model, PSOFTLinear)
 
 
 def merge(model: nn.Module) -> nn.Module:
     """Merge the active adapters into the base weights (``W0 += B (M - I) A``); all-or-nothing."""
-    layers = psoft_layers(model)
-    if not layers:
-        raise RankwiseError("the model has no PSOFT layers to merge")
-    already = [n for n, layer in layers if layer.merged_adapters]
-    if already:
-        raise RankwiseError(f"adapters are already merged in {already[:3]}; unmerge before merging again")
-    done: list[PSOFTLinear] = []
-    try:
-        for _, layer in layers:
-            if layer.merge():
-                done.append(layer)
-    except BaseException:
-        for layer in reversed(done):
-            layer.unmerge()
-        raise
+    adapters.merge_all(model, PSOFTLinear)
     return model
 
 
 def unmerge(model: nn.Module) -> nn.Module:
-    layers = [layer for _, layer in psoft_layers(model) if layer.merged_adapters]
-    if not layers:
-        raise RankwiseError("no PSOFT adapter is merged in this model")
-    for layer in layers:
-        layer.unmerge()
+    adapters.unmerge_all(model, PSOFTLinear)
     return model
 
 
 def delete_adapter(model: nn.Module, name: str) -> None:
-    layers = _require_adapter(model, name)
-    with _all_or_nothing(model):
-        for lname, layer in layers:
-            layer.delete_adapter(name)
-            if not layer.adapters:
-                replace_module(model, lname, layer.base_layer)
+    adapters.delete_adapter(model, name, PSOFTLinear)
 
 
 def unload(model: nn.Module, merge_first: bool = True) -> nn.Module:
     """Replace every PSOFTLinear by its base layer (merging the active adapters first if ``merge_first``)."""
-    layers = psoft_layers(model)
-    with _all_or_nothing(model):
-        if merge_first and layers and not any(layer.merged_adapters for _, layer in layers):
-            merge(model)
-        for lname, layer in layers:
-            replace_module(model, lname, layer.base_layer)
-    return model
+    return adapters.unload(model, PSOFTLinear, merge_first)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,0 +1,416 @@
+"""Adapter management shared by every adapted-Linear layer family (LoRA, CDKA, PSOFT, E²LoRA, DAF, ...).
+
+Each adapter method wraps the layers it adapts in a layer class of its own that holds any number of
+*named* adapters. What is the same across families lives here:
+
+* :class:`AdapterLayer`, the base class of those layer classes: the wrapped ``base_layer``, the adapter
+  bookkeeping (``adapter_config``, ``active_adapters``, ``disabled``, ``merged_adapters``), selecting,
+  enabling, deleting, merging into / unmerging from the base weight, and the snapshot / restore that
+  makes model-level operations all-or-nothing. A family declares where its adapters live with three
+  class attributes (:attr:`AdapterLayer.adapter_store`, :attr:`AdapterLayer.adapter_fields`, labels)
+  and supplies ``delta_weight(name, dtype)`` (the dense update ``ΔW (out, in)``) if it can be merged.
+* model-level functions parametrised by the layer class: :func:`adapted_layers`,
+  :func:`adapter_names`, :func:`all_or_nothing`, :func:`require_adapter`, :func:`set_active`,
+  :func:`enable_adapters`, :func:`disable_adapters`, :func:`merge_all`, :func:`unmerge_all`,
+  :func:`delete_adapter` and :func:`unload`; and :func:`validate_adapter_name`. Each adapter module exposes thin wrappers of these under
+  its own public names.
+
+Merging is all-or-nothing across layers: if one layer cannot merge (non-finite result, ...), the layers
+merged before it are unmerged again before the error propagates. Within a layer the merged weight is
+``W0 + sum_k ΔW_k``, accumulated in float32 (float64 for a float64 weight) and rounded once to the
+weight's dtype; unmerging subtracts the same updates in reverse order (exact up to float rounding).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import re
+from typing import Any, Callable, ClassVar, Iterator, Sequence, TypeVar
+
+import torch
+from torch import nn
+
+from rankwise.core import io
+from rankwise.core.errors import NumericalError, RankwiseError
+from rankwise.core.surgery import replace_module, transaction
+
+__all__ = [
+    "AdapterLayer",
+    "adapted_layers",
+    "adapter_names",
+    "all_or_nothing",
+    "delete_adapter",
+    "disable_adapters",
+    "enable_adapters",
+    "merge_all",
+    "require_adapter",
+    "set_active",
+    "unload",
+    "unmerge_all",
+    "validate_adapter_name",
+]
+
+_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]*$")
+
+
+def validate_adapter_name(name: str) -> str:
+    """Adapter names are identifiers (letters, digits, ``_``, ``-``; no dots: they become module keys)."""
+    if not isinstance(name, str) or not _NAME_RE.match(name):
+        raise ValueError(f"adapter name must match {_NAME_RE.pattern} (no dots or spaces), got {name!r}")
+    if hasattr(nn.ModuleDict(), name):
+        raise ValueError(f"adapter name {name!r} clashes with an nn.ModuleDict attribute; choose another")
+    return name
+
+
+class AdapterLayer(nn.Module):
+    """Base class of a layer that wraps ``base_layer`` and holds named adapters.
+
+    Subclasses set the class attributes below, call ``super().__init__(base_layer, layer_name)``
+    first (after validating ``base_layer``), create their per-adapter containers, and implement
+    ``forward`` and, when :attr:`mergeable`, ``delta_weight(name, dtype) -> (out, in)``.
+
+    Attributes (per instance): ``base_layer``; ``adapter_config`` ``{name: dict}``;
+    ``active_adapters`` (ordered, no repeats); ``disabled`` (all adapters off, the base layer alone);
+    ``merged_adapters`` (names whose updates are currently added into the base weight);
+    ``layer_name`` (qualified name, for messages); ``fingerprint_values`` (value samples of the base
+    parameters taken when wrapping, read by :func:`rankwise.core.io.model_fingerprint`).
+    """
+
+    is_rankwise_wrapper = True
+    #: attribute (a dict or ModuleDict keyed by adapter name) whose keys are the layer's adapters
+    adapter_store: ClassVar[str] = ""
+    #: every per-adapter container keyed by adapter name (ModuleDict, ParameterDict or dict): cleared on delete,
+    #: saved by :meth:`_snapshot` (``adapter_config`` is deep-copied, other dicts copied shallowly)
+    adapter_fields: ClassVar[tuple[str, ...]] = ()
+    #: how messages name one adapter of this family ("CDKA adapter") and the family ("CDKA")
+    adapter_label: ClassVar[str] = "adapter"
+    family: ClassVar[str] = "adapter"
+    #: whether the adapters' updates can be folded into the base weight (``delta_weight`` exists)
+    mergeable: ClassVar[bool] = True
+
+    def __init__(self, base_layer: nn.Module, layer_name: str = "") -> None:
+        super().__init__()
+        self.base_layer = base_layer
+        self.adapter_config: dict[str, dict[str, Any]] = {}
+        self.active_adapters: list[str] = []
+        self.disabled = False
+        self.merged_adapters: list[str] = []
+        self.layer_name = layer_name
+        self.fingerprint_values = {n: io.value_sample(p) for n, p in base_layer.named_parameters()
+                                   if not p.is_meta}
+
+    # -- queries ------------------------------------------------------------------------------
+    def _where(self) -> str:
+        return f"layer {self.layer_name!r}" if self.layer_name else type(self).__name__
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The base weight (so code reading ``layer.weight`` keeps working)."""
+        return self.base_layer.weight
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self.base_layer.bias
+
+    @property
+    def adapters(self) -> list[str]:
+        """Adapter names, in insertion order."""
+        return list(getattr(self, self.adapter_store))
+
+    @property
+    def merged(self) -> bool:
+        return bool(self.merged_adapters)
+
+    def _require(self, name: str) -> None:
+        if name not in getattr(self, self.adapter_store):
+            raise KeyError(f"{self._where()} has no {self.adapter_label} {name!r} (it has {self.adapters})")
+
+    # -- adapter bookkeeping --------------------------------------------------------------------
+    def _drop_adapter(self, name: str) -> None:
+        """Remove ``name`` from every per-adapter container and from the active list (no checks)."""
+        for field in self.adapter_fields:
+            store = getattr(self, field)
+            if name in store:
+                del store[name]
+        if name in self.active_adapters:
+            self.active_adapters = [n for n in self.active_adapters if n != name]
+
+    def delete_adapter(self, name: str) -> None:
+        """Remove adapter ``name`` from this layer; refused while it is merged."""
+        self._require(name)
+        if name in self.merged_adapters:
+            raise RankwiseError(f"{self._where()}: adapter {name!r} is merged; unmerge before deleting it")
+        self._drop_adapter(name)
+
+    def set_active(self, names: str | Sequence[str]) -> None:
+        """Make exactly ``names`` the active adapters (their updates are summed; repeats dropped)."""
+        names = [names] if isinstance(names, str) else list(names)
+        for n in names:
+            self._require(n)
+        if self.merged_adapters:
+            raise RankwiseError(f"{self._where()}: adapters {self.merged_adapters} are merged; unmerge before "
+                                "changing the active adapters")
+        self.active_adapters = list(dict.fromkeys(names))
+
+    def set_enabled(self, enabled: bool) -> None:
+        """Switch all adapters on or off (off: the base layer alone). Disabling is refused while merged."""
+        if not enabled and self.merged_adapters:
+            raise RankwiseError(f"{self._where()}: adapters {self.merged_adapters} are merged into the base weight; "
+                                "unmerge before disabling them")
+        self.disabled = not enabled
+
+    # -- merging ----------------------------------------------------------------------------------
+    def merge_target(self) -> torch.Tensor:
+        """The base weight in ``(out, in)`` layout that merging writes to (a view of the parameter)."""
+        return self.base_layer.weight
+
+    def mergeable_adapters(self) -> list[str]:
+        """The adapters :meth:`merge` folds in by default: the active ones."""
+        return list(self.active_adapters)
+
+    def delta_weight(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__} does not define delta_weight")
+
+    def _merge(self, names: Sequence[str] | None = None) -> list[str]:
+        """Add the updates of ``names`` (default :meth:`mergeable_adapters`) into the base weight.
+
+        Refuses to merge twice or while disabled. Returns the merged names (``[]``: nothing to merge).
+        The sum is formed in float32 or wider and written back once in the weight's dtype; a non-finite
+        result raises :class:`NumericalError` and leaves the weight unchanged.
+        """
+        if not self.mergeable:
+            raise RankwiseError(f"{self._where()}: {self.family} adapters cannot be merged into the base weight")
+        if self.merged_adapters:
+            raise RankwiseError(f"{self._where()}: adapters {self.merged_adapters} are already merged; "
+                                "unmerge before merging again")
+        if self.disabled:
+            raise RankwiseError(f"{self._where()}: adapters are disabled; enable them before merging")
+        names = self.mergeable_adapters() if names is None else list(names)
+        for n in names:
+            self._require(n)
+        if not names:
+            return []
+        with torch.no_grad():
+            w = self.merge_target()
+            dt = torch.promote_types(w.dtype, torch.float32)
+            total = w.detach().to(dt)
+            for n in names:
+                total = total + self.delta_weight(n, dt).to(w.device, dt)
+            if not bool(torch.isfinite(total).all()):
+                raise NumericalError(f"{self._where()}: merging {names} gives non-finite weights "
+                                     "(an adapter holds NaN or inf, or the sum overflows)")
+            w.copy_(total.to(w.dtype))
+        self.merged_adapters = names
+        return names
+
+    def _unmerge(self) -> list[str]:
+        """Subtract the merged updates from the base weight (reverse order); returns their names."""
+        names = list(self.merged_adapters)
+        if not names:
+            return []
+        with torch.no_grad():
+            w = self.merge_target()
+            dt = torch.promote_types(w.dtype, torch.float32)
+            total = w.detach().to(dt)
+            for n in reversed(names):
+                total = total - self.delta_weight(n, dt).to(w.device, dt)
+            w.copy_(total.to(w.dtype))
+        self.merged_adapters = []
+        return names
+
+    def merge(self) -> bool:
+        """Merge the active adapters' updates into the base weight; returns whether anything was merged."""
+        return bool(self._merge())
+
+    def unmerge(self) -> None:
+        """Undo :meth:`merge` (nothing happens when nothing is merged)."""
+        self._unmerge()
+
+    # -- snapshot / restore (all-or-nothing model operations) ----------------------------------
+    def _snapshot(self) -> dict[str, Any]:
+        fields: dict[str, Any] = {}
+        for field in self.adapter_fields:
+            store = getattr(self, field)
+            if isinstance(store, (nn.ModuleDict, nn.ParameterDict)):
+                fields[field] = dict(store.items())
+            elif field == "adapter_config":
+                fields[field] = copy.deepcopy(store)
+            else:
+                fields[field] = dict(store)
+        return {"fields": fields, "active": list(self.active_adapters), "disabled": self.disabled,
+                "merged": list(self.merged_adapters),
+                "flags": {id(p): (p, p.requires_grad) for p in self.parameters()}}
+
+    def _restore(self, snap: dict[str, Any]) -> None:
+        for field, saved in snap["fields"].items():
+            current = getattr(self, field)
+            if isinstance(current, (nn.ModuleDict, nn.ParameterDict)):
+                setattr(self, field, type(current)(saved))
+            else:
+                setattr(self, field, saved)
+        self.active_adapters = snap["active"]
+        self.disabled = snap["disabled"]
+        self.merged_adapters = snap["merged"]
+        for p, flag in snap["flags"].values():
+            p.requires_grad_(flag)
+
+
+L = TypeVar("L", bound=AdapterLayer)
+
+
+# ------------------------------------------------------------------------------------------------
+# model-level operations
+# ------------------------------------------------------------------------------------------------
+
+def _shown(names: Sequence[str]) -> str:
+    return f"{list(names[:3])}{' ...' if len(names) > 3 else ''}"
+
+
+def adapted_layers(model: nn.Module, cls: type[L]) -> list[tuple[str, L]]:
+    """``(qualified name, layer)`` of every ``cls`` layer of ``model``, in model order."""
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, cls)]
+
+
+def adapter_names(model: nn.Module, cls: type[AdapterLayer]) -> list[str]:
+    """Names of the adapters the ``cls`` layers of ``model`` hold (in order of first appearance)."""
+    out: dict[str, None] = {}
+    for _, layer in adapted_layers(model, cls):
+        out.update(dict.fromkeys(layer.adapters))
+    return list(out)
+
+
+@contextlib.contextmanager
+def all_or_nothing(model: nn.Module, cls: type[AdapterLayer]) -> Iterator[None]:
+    """On an error inside the block, undo module replacements, ``requires_grad`` changes and the adapter
+    state of every ``cls`` layer present on entry (base weights modified in place are the caller's)."""
+    snaps = [(layer, layer._snapshot()) for _, layer in adapted_layers(model, cls)]
+    with transaction(model):
+        try:
+            yield
+        except BaseException:
+            for layer, snap in snaps:
+                layer._restore(snap)
+            raise
+
+
+def require_adapter(model: nn.Module, name: str, cls: type[L]) -> list[tuple[str, L]]:
+    """The ``cls`` layers holding adapter ``name``; ``KeyError`` (listing the adapters there are) if none."""
+    layers = [(n, m) for n, m in adapted_layers(model, cls) if name in m.adapters]
+    if not layers:
+        raise KeyError(f"the model has no {cls.adapter_label} named {name!r}; "
+                       f"it has {adapter_names(model, cls) or 'none'}")
+    return layers
+
+
+def set_active(model: nn.Module, names: str | Sequence[str], cls: type[AdapterLayer],
+               sync_trainable: Callable[..., None] | None = None) -> None:
+    """Make ``names`` the active adapter(s) of every ``cls`` layer (a layer activates those it has).
+
+    Unknown names raise ``KeyError`` before anything changes; ``sync_trainable(model, freeze_base=False)``
+    then updates the trainable flags (active adapters trainable, the others frozen). All-or-nothing.
+    """
+    names = [names] if isinstance(names, str) else list(names)
+    have = adapter_names(model, cls)
+    missing = [n for n in names if n not in have]
+    if missing:
+        raise KeyError(f"no {cls.adapter_label} named {missing} in the model; it has {have or 'none'}")
+    with all_or_nothing(model, cls):
+        for _, layer in adapted_layers(model, cls):
+            layer.set_active([n for n in names if n in layer.adapters])
+        if sync_trainable is not None:
+            sync_trainable(model, freeze_base=False)
+
+
+def enable_adapters(model: nn.Module, cls: type[AdapterLayer]) -> None:
+    """Turn the adapters of every ``cls`` layer back on (after :func:`disable_adapters`)."""
+    for _, layer in adapted_layers(model, cls):
+        layer.set_enabled(True)
+
+
+def disable_adapters(model: nn.Module, cls: type[AdapterLayer]) -> None:
+    """Make every ``cls`` layer compute its base layer alone (adapters kept). Refused while merged."""
+    layers = adapted_layers(model, cls)
+    merged = [n for n, layer in layers if layer.merged_adapters]
+    if merged:
+        raise RankwiseError(f"adapters are merged into {_shown(merged)}; unmerge before disabling")
+    for _, layer in layers:
+        layer.set_enabled(False)
+
+
+def merge_all(model: nn.Module, cls: type[AdapterLayer]) -> list[str]:
+    """Merge the active adapters of every ``cls`` layer into its base weight; returns the merged layers' names.
+
+    All-or-nothing: refuses when no layer exists or any layer is already merged, and if one layer fails
+    (disabled, non-finite result, ...) the layers merged before it are unmerged before the error propagates.
+    """
+    layers = adapted_layers(model, cls)
+    if not layers:
+        raise RankwiseError(f"the model has no {cls.family} layers to merge")
+    already = [n for n, layer in layers if layer.merged_adapters]
+    if already:
+        raise RankwiseError(f"adapters are already merged in {_shown(already)}; unmerge before merging again")
+    done: list[tuple[str, AdapterLayer]] = []
+    try:
+        for lname, layer in layers:
+            if layer._merge():
+                done.append((lname, layer))
+    except BaseException:
+        for _, layer in reversed(done):
+            layer._unmerge()
+        raise
+    return [n for n, _ in done]
+
+
+def unmerge_all(model: nn.Module, cls: type[AdapterLayer]) -> list[str]:
+    """Undo :func:`merge_all` on every merged ``cls`` layer; returns their names (none merged: RankwiseError)."""
+    layers = [(n, layer) for n, layer in adapted_layers(model, cls) if layer.merged_adapters]
+    if not layers:
+        raise RankwiseError(f"no {cls.adapter_label} is merged in this model")
+    for _, layer in layers:
+        layer._unmerge()
+    return [n for n, _ in layers]
+
+
+def delete_adapter(model: nn.Module, name: str, cls: type[AdapterLayer], *, unwrap_empty: bool = True,
+                   after: Callable[[nn.Module], None] | None = None) -> None:
+    """Remove adapter ``name`` from every ``cls`` layer; all-or-nothing.
+
+    Unknown names raise ``KeyError``; a merged adapter ``RankwiseError``. With ``unwrap_empty`` a layer
+    left without adapters gets its base layer back; ``after(model)`` runs last inside the transaction
+    (e.g. to prune wrappers by a family's own rule).
+    """
+    layers = require_adapter(model, name, cls)
+    merged = [n for n, layer in layers if name in layer.merged_adapters]
+    if merged:
+        raise RankwiseError(f"adapter {name!r} is merged in {_shown(merged)}; unmerge before deleting it")
+    with all_or_nothing(model, cls):
+        for lname, layer in layers:
+            layer.delete_adapter(name)
+            if unwrap_empty and not layer.adapters:
+                replace_module(model, lname, layer.base_layer)
+        if after is not None:
+            after(model)
+
+
+def unload(model: nn.Module, cls: type[AdapterLayer], merge_first: bool = True) -> nn.Module:
+    """Replace every ``cls`` layer by its base layer, merging the active adapters first if ``merge_first``
+    (skipped when something is merged already: that merge is kept). Returns ``model`` (changed in place).
+
+    All-or-nothing: a failure unmerges what this call merged and puts the wrappers back.
+    """
+    layers = adapted_layers(model, cls)
+    done: list[str] = []
+    if merge_first and layers and not any(layer.merged_adapters for _, layer in layers):
+        done = merge_all(model, cls)
+    try:
+        with all_or_nothing(model, cls):
+            for lname, layer in layers:
+                replace_module(model, lname, layer.base_layer)
+    except BaseException:
+        merged_here = set(done)
+        for lname, layer in reversed(layers):
+            if lname in merged_here:
+                layer._unmerge()
+        raise
+    return model

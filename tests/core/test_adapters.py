@@ -1,0 +1,277 @@
+"""The shared adapter management of rankwise.core.adapters, on a minimal adapter layer family."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from rankwise.core import adapters
+from rankwise.core.adapters import AdapterLayer
+from rankwise.core.errors import NumericalError, RankwiseError
+
+
+class DeltaLinear(AdapterLayer):
+    """A test family: each adapter is a full dense update ``D (out, in)`` (``y = base(x) + x D^T``)."""
+
+    adapter_store = "deltas"
+    adapter_fields = ("deltas", "adapter_config")
+    adapter_label = "test adapter"
+    family = "Test"
+
+    def __init__(self, base_layer: nn.Linear, layer_name: str = "") -> None:
+        super().__init__(base_layer, layer_name)
+        self.deltas = nn.ParameterDict()
+        self.train(base_layer.training)
+
+    def add(self, name: str, delta: torch.Tensor) -> None:
+        adapters.validate_adapter_name(name)
+        self.deltas[name] = nn.Parameter(delta.clone())
+        self.adapter_config[name] = {"n": delta.numel()}
+        if not self.active_adapters:
+            self.active_adapters = [name]
+
+    def delta_weight(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        self._require(name)
+        d = self.deltas[name].detach()
+        return d.to(dtype or torch.promote_types(d.dtype, torch.float32))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base_layer(x)
+        if self.disabled or self.merged_adapters:
+            return y
+        for n in self.active_adapters:
+            y = y + x @ self.deltas[n].T
+        return y
+
+
+def _sync(model: nn.Module, freeze_base: bool) -> None:
+    for _, layer in adapters.adapted_layers(model, DeltaLinear):
+        for n, p in layer.deltas.items():
+            p.requires_grad_(n in layer.active_adapters)
+
+
+def _model(names: tuple[str, ...] = ("a",), seed: int = 0) -> nn.Sequential:
+    g = torch.Generator().manual_seed(seed)
+    model = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 4))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    for i in (0, 2):
+        layer = DeltaLinear(model[i], layer_name=str(i))
+        for n in names:
+            layer.add(n, 0.1 * torch.randn(layer.base_layer.weight.shape, generator=g))
+        model[i] = layer
+    return model
+
+
+X = torch.randn(3, 6, generator=torch.Generator().manual_seed(1))
+
+
+def _weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: layer.base_layer.weight.detach().clone() for n, layer in adapters.adapted_layers(model, DeltaLinear)}
+
+
+def test_merge_matches_forward_and_unmerge_restores():
+    model = _model()
+    w0 = _weights(model)
+    y = model(X)
+    assert adapters.merge_all(model, DeltaLinear) == ["0", "2"]
+    for n, layer in adapters.adapted_layers(model, DeltaLinear):
+        torch.testing.assert_close(layer.base_layer.weight, w0[n] + layer.deltas["a"].detach())
+        assert layer.merged_adapters == ["a"]
+    torch.testing.assert_close(model(X), y)
+    with pytest.raises(RankwiseError, match="already merged"):
+        adapters.merge_all(model, DeltaLinear)
+    assert adapters.unmerge_all(model, DeltaLinear) == ["0", "2"]
+    for n, w in _weights(model).items():
+        torch.testing.assert_close(w, w0[n], atol=1e-6, rtol=0)
+    with pytest.raises(RankwiseError, match="no test adapter is merged"):
+        adapters.unmerge_all(model, DeltaLinear)
+
+
+def test_merge_is_all_or_nothing_when_a_later_layer_fails():
+    model = _model()
+    w0 = _weights(model)
+    with torch.no_grad():
+        model[2].deltas["a"][0, 0] = float("nan")  # the second layer cannot merge
+    with pytest.raises(NumericalError, match="layer '2'.*non-finite"):
+        adapters.merge_all(model, DeltaLinear)
+    for n, layer in adapters.adapted_layers(model, DeltaLinear):
+        assert layer.merged_adapters == []
+        # the first layer's merge was undone (subtracted again: exact up to float rounding)
+        torch.testing.assert_close(layer.base_layer.weight, w0[n], atol=1e-6, rtol=0)
+
+
+def test_merge_refuses_disabled_and_empty_model():
+    model = _model()
+    adapters.disable_adapters(model, DeltaLinear)
+    with pytest.raises(RankwiseError, match="disabled"):
+        adapters.merge_all(model, DeltaLinear)
+    assert all(not layer.merged_adapters for _, layer in adapters.adapted_layers(model, DeltaLinear))
+    with pytest.raises(RankwiseError, match="no Test layers to merge"):
+        adapters.merge_all(nn.Sequential(nn.Linear(2, 2)), DeltaLinear)
+
+
+def test_disable_enable_and_disable_refused_while_merged():
+    model = _model()
+    base = nn.Sequential(model[0].base_layer, nn.ReLU(), model[2].base_layer)
+    y_adapted = model(X)
+    adapters.disable_adapters(model, DeltaLinear)
+    torch.testing.assert_close(model(X), base(X))
+    adapters.enable_adapters(model, DeltaLinear)
+    torch.testing.assert_close(model(X), y_adapted)
+    adapters.merge_all(model, DeltaLinear)
+    with pytest.raises(RankwiseError, match="unmerge before disabling"):
+        adapters.disable_adapters(model, DeltaLinear)
+    assert not any(layer.disabled for _, layer in adapters.adapted_layers(model, DeltaLinear))
+
+
+def test_set_active_unknown_adapter_raises_and_changes_nothing():
+    model = _model(("a", "b"))
+    with pytest.raises(KeyError, match=r"no test adapter named \['zzz'\].*it has \['a', 'b'\]"):
+        adapters.set_active(model, ["b", "zzz"], DeltaLinear, _sync)
+    assert all(layer.active_adapters == ["a"] for _, layer in adapters.adapted_layers(model, DeltaLinear))
+    adapters.set_active(model, ["b", "a", "b"], DeltaLinear, _sync)
+    for _, layer in adapters.adapted_layers(model, DeltaLinear):
+        assert layer.active_adapters == ["b", "a"]  # repeats dropped: an update is never added twice
+        assert layer.deltas["a"].requires_grad and layer.deltas["b"].requires_grad
+    adapters.set_active(model, "b", DeltaLinear, _sync)
+    assert not model[0].deltas["a"].requires_grad and model[0].deltas["b"].requires_grad
+
+
+def test_set_active_refused_while_merged_is_rolled_back():
+    model = _model(("a", "b"))
+    adapters.merge_all(model, DeltaLinear)
+    with pytest.raises(RankwiseError, match="merged"):
+        adapters.set_active(model, "b", DeltaLinear, _sync)
+    assert all(layer.active_adapters == ["a"] for _, layer in adapters.adapted_layers(model, DeltaLinear))
+
+
+def test_require_adapter():
+    model = _model(("a",))
+    assert [n for n, _ in adapters.require_adapter(model, "a", DeltaLinear)] == ["0", "2"]
+    with pytest.raises(KeyError, match="no test adapter named 'x'; it has \\['a'\\]"):
+        adapters.require_adapter(model, "x", DeltaLinear)
+    with pytest.raises(KeyError, match="it has none"):
+        adapters.require_adapter(nn.Sequential(nn.Linear(2, 2)), "x", DeltaLinear)
+
+
+def test_unload_restores_plain_linear_with_merged_weights():
+    model = _model()
+    y = model(X)
+    expected = {n: layer.base_layer.weight.detach() + layer.deltas["a"].detach()
+                for n, layer in adapters.adapted_layers(model, DeltaLinear)}
+    out = adapters.unload(model, DeltaLinear)
+    assert out is model
+    assert type(model[0]) is nn.Linear and type(model[2]) is nn.Linear
+    torch.testing.assert_close(model[0].weight, expected["0"])
+    torch.testing.assert_close(model[2].weight, expected["2"])
+    torch.testing.assert_close(model(X), y)
+
+
+def test_unload_without_merge_gives_base_model():
+    model = _model()
+    w0 = _weights(model)
+    adapters.unload(model, DeltaLinear, merge_first=False)
+    assert type(model[0]) is nn.Linear
+    assert torch.equal(model[0].weight, w0["0"]) and torch.equal(model[2].weight, w0["2"])
+
+
+def test_unload_failure_unmerges_and_keeps_wrappers(monkeypatch):
+    model = _model()
+    w0 = _weights(model)
+    wrappers = (model[0], model[2])
+    calls = {"n": 0}
+    real = adapters.replace_module
+
+    def flaky(m, name, new):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("boom")
+        return real(m, name, new)
+
+    monkeypatch.setattr(adapters, "replace_module", flaky)
+    with pytest.raises(RuntimeError, match="boom"):
+        adapters.unload(model, DeltaLinear)
+    assert (model[0], model[2]) == wrappers
+    for n, layer in adapters.adapted_layers(model, DeltaLinear):
+        assert layer.merged_adapters == []
+        torch.testing.assert_close(layer.base_layer.weight, w0[n], atol=1e-6, rtol=0)
+
+
+def test_delete_active_and_last_adapter():
+    model = _model(("a", "b"))
+    adapters.delete_adapter(model, "a", DeltaLinear)  # the active one
+    for _, layer in adapters.adapted_layers(model, DeltaLinear):
+        assert layer.adapters == ["b"] and layer.active_adapters == [] and "a" not in layer.adapter_config
+    adapters.delete_adapter(model, "b", DeltaLinear)  # the last one: plain Linear back
+    assert type(model[0]) is nn.Linear and type(model[2]) is nn.Linear
+    with pytest.raises(KeyError, match="no test adapter named 'b'"):
+        adapters.delete_adapter(model, "b", DeltaLinear)
+
+
+def test_delete_keeps_empty_wrappers_when_asked_and_runs_after_hook():
+    model = _model(("a",))
+    seen = []
+    adapters.delete_adapter(model, "a", DeltaLinear, unwrap_empty=False, after=lambda m: seen.append(m))
+    assert isinstance(model[0], DeltaLinear) and model[0].adapters == []
+    assert seen == [model]
+
+
+def test_delete_merged_adapter_refused():
+    model = _model(("a",))
+    adapters.merge_all(model, DeltaLinear)
+    with pytest.raises(RankwiseError, match="'a' is merged.*unmerge before deleting"):
+        adapters.delete_adapter(model, "a", DeltaLinear)
+    assert model[0].adapters == ["a"]
+
+
+def test_failed_operation_restores_layer_state():
+    model = _model(("a", "b"))
+    flags = {id(p): p.requires_grad for p in model.parameters()}
+
+    def failing_after(m):
+        raise RuntimeError("late failure")
+
+    with pytest.raises(RuntimeError, match="late failure"):
+        adapters.delete_adapter(model, "a", DeltaLinear, after=failing_after)
+    for _, layer in adapters.adapted_layers(model, DeltaLinear):
+        assert layer.adapters == ["a", "b"] and layer.active_adapters == ["a"]
+        assert set(layer.adapter_config) == {"a", "b"}
+    assert {id(p): p.requires_grad for p in model.parameters()} == flags
+
+
+def test_layer_level_rules():
+    layer = _model(("a",))[0]
+    with pytest.raises(KeyError, match="layer '0' has no test adapter 'x'"):
+        layer.set_active("x")
+    assert layer.merge() is True and layer.merged
+    with pytest.raises(RankwiseError, match="unmerge before disabling"):
+        layer.set_enabled(False)
+    with pytest.raises(RankwiseError, match="already merged"):
+        layer.merge()
+    layer.unmerge()
+    layer.unmerge()  # nothing merged: a no-op
+    layer.set_active([])
+    assert layer.merge() is False  # nothing active: nothing to merge
+
+
+def test_validate_adapter_name():
+    assert adapters.validate_adapter_name("my-adapter_1") == "my-adapter_1"
+    for bad in ("a.b", "", "1a", "has space", 3):
+        with pytest.raises(ValueError, match="adapter name"):
+            adapters.validate_adapter_name(bad)
+    with pytest.raises(ValueError, match="clashes"):
+        adapters.validate_adapter_name("update")
+
+
+def test_fingerprint_sees_the_base_layer():
+    from rankwise.core import io
+
+    plain = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 4))
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(0)
+        for p in plain.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    assert io.model_fingerprint(_model()) == io.model_fingerprint(plain)
