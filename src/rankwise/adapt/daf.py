@@ -50,23 +50,22 @@ unit on every candidate.
 from __future__ import annotations
 
 import contextlib
-import copy
 import logging
 import math
-import re
 import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
 
-from rankwise.core import io
+from rankwise.core import adapters, io
+from rankwise.core.adapters import AdapterLayer, validate_adapter_name
 from rankwise.core.errors import ArtifactError, NumericalError, RankwiseError, SelectionError
 from rankwise.core.registry import register
 from rankwise.core.select import Selector, available_names, select
-from rankwise.core.surgery import replace_module, transaction
+from rankwise.core.surgery import replace_module
 
 __all__ = [
     "DAFConfig",
@@ -103,7 +102,6 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 _KIND = "rankwise.daf"
 _OWN_FILES = {CONFIG_FILE, WEIGHTS_FILE}
-_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]*$")
 RANK_BY = ("score_per_cost", "score")
 FILL = ("stop", "skip")
 ROLES = ("candidate", "training", "frozen")
@@ -336,15 +334,7 @@ class _Unit(nn.Module):
         self.B = nn.Parameter(B.contiguous())
 
 
-def validate_adapter_name(name: str) -> str:
-    if not isinstance(name, str) or not _NAME_RE.match(name):
-        raise ValueError(f"adapter name must match {_NAME_RE.pattern} (no dots or spaces), got {name!r}")
-    if hasattr(nn.ModuleDict(), name):
-        raise ValueError(f"adapter name {name!r} clashes with an nn.ModuleDict attribute; choose another")
-    return name
-
-
-class DAFLinear(nn.Module):
+class DAFLinear(AdapterLayer):
     """An ``nn.Linear`` that is a DAF candidate of one or more named adapters.
 
     ``y = base(x) + Σ_{active adapters with a unit} s · B A dropout(x)``; shapes ``x (..., d_in) -> y (..., d_out)``.
@@ -354,14 +344,16 @@ class DAFLinear(nn.Module):
     State-dict keys ``<layer>.daf.<name>.{A,B}``.
     """
 
-    is_rankwise_wrapper = True
+    adapter_store = "role"
+    adapter_fields = ("daf", "daf_dropout", "role", "score", "scaling", "adapter_config")
+    adapter_label = "DAF adapter"
+    family = "DAF"
 
     def __init__(self, base_layer: nn.Linear, layer_name: str = "") -> None:
-        super().__init__()
         if not isinstance(base_layer, nn.Linear):
             raise TypeError(f"DAFLinear wraps nn.Linear, got {type(base_layer).__name__}"
                             f"{' at ' + layer_name if layer_name else ''}")
-        self.base_layer = base_layer
+        super().__init__(base_layer, layer_name)
         self.in_features = base_layer.in_features
         self.out_features = base_layer.out_features
         self.daf = nn.ModuleDict()
@@ -369,33 +361,7 @@ class DAFLinear(nn.Module):
         self.role: dict[str, str] = {}
         self.score: dict[str, float | None] = {}
         self.scaling: dict[str, float] = {}
-        self.adapter_config: dict[str, dict[str, Any]] = {}
-        self.active_adapters: list[str] = []
-        self.disabled = False
-        self.merged_adapters: list[str] = []
-        self.layer_name = layer_name
-        self.fingerprint_values = {n: io.value_sample(p) for n, p in base_layer.named_parameters()
-                                   if not p.is_meta}
         self.train(base_layer.training)
-
-    def _where(self) -> str:
-        return f"layer {self.layer_name!r}" if self.layer_name else "DAFLinear"
-
-    @property
-    def weight(self) -> torch.Tensor:
-        return self.base_layer.weight
-
-    @property
-    def bias(self) -> torch.Tensor | None:
-        return self.base_layer.bias
-
-    @property
-    def adapters(self) -> list[str]:
-        return list(self.role)
-
-    def _require(self, name: str) -> None:
-        if name not in self.role:
-            raise KeyError(f"{self._where()} has no DAF adapter {name!r} (it has {self.adapters})")
 
     def cost(self, rank: int) -> int:
         return unit_cost(self.in_features, self.out_features, rank)
@@ -428,31 +394,6 @@ class DAFLinear(nn.Module):
         self.daf[name] = unit
         self.role[name] = "training"
 
-    def delete_adapter(self, name: str) -> None:
-        self._require(name)
-        if name in self.merged_adapters:
-            raise RankwiseError(f"{self._where()}: adapter {name!r} is merged; unmerge before deleting it")
-        if name in self.daf:
-            del self.daf[name]
-        del self.daf_dropout[name]
-        for d in (self.role, self.score, self.scaling, self.adapter_config):
-            d.pop(name, None)
-        self.active_adapters = [n for n in self.active_adapters if n != name]
-
-    def set_active(self, names: str | Sequence[str]) -> None:
-        names = [names] if isinstance(names, str) else list(names)
-        for n in names:
-            self._require(n)
-        if self.merged_adapters:
-            raise RankwiseError(f"{self._where()}: adapters {self.merged_adapters} are merged; unmerge first")
-        self.active_adapters = list(dict.fromkeys(names))
-
-    def set_enabled(self, enabled: bool) -> None:
-        if not enabled and self.merged_adapters:
-            raise RankwiseError(f"{self._where()}: adapters {self.merged_adapters} are merged; unmerge before "
-                                "disabling them")
-        self.disabled = not enabled
-
     # -- math -----------------------------------------------------------------------------------
     def delta_weight(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor | None:
         """``s · B A`` of adapter ``name`` (``(d_out, d_in)``, float32 or wider), None without a unit."""
@@ -463,37 +404,9 @@ class DAFLinear(nn.Module):
         dt = dtype or torch.promote_types(u.A.dtype, torch.float32)
         return (u.B.detach().to(dt) @ u.A.detach().to(dt)) * self.scaling[name]
 
-    @torch.no_grad()
-    def merge(self) -> bool:
-        if self.merged_adapters:
-            raise RankwiseError(f"{self._where()}: already merged ({self.merged_adapters}); unmerge first")
-        if self.disabled:
-            raise RankwiseError(f"{self._where()}: adapters are disabled; enable them before merging")
-        names = [n for n in self.active_adapters if n in self.daf]
-        if not names:
-            return False
-        w = self.base_layer.weight
-        dt = torch.promote_types(w.dtype, torch.float32)
-        total = w.detach().to(dt)
-        for n in names:
-            total = total + self.delta_weight(n, dt)
-        if not bool(torch.isfinite(total).all()):
-            raise NumericalError(f"{self._where()}: merging {names} gives non-finite weights")
-        w.copy_(total.to(w.dtype))
-        self.merged_adapters = names
-        return True
-
-    @torch.no_grad()
-    def unmerge(self) -> None:
-        if not self.merged_adapters:
-            return
-        w = self.base_layer.weight
-        dt = torch.promote_types(w.dtype, torch.float32)
-        total = w.detach().to(dt)
-        for n in reversed(self.merged_adapters):
-            total = total - self.delta_weight(n, dt)
-        w.copy_(total.to(w.dtype))
-        self.merged_adapters = []
+    def mergeable_adapters(self) -> list[str]:
+        """The active adapters that have a unit (candidates without one contribute nothing)."""
+        return [n for n in self.active_adapters if n in self.daf]
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         result = self.base_layer(x, *args, **kwargs)
@@ -512,25 +425,6 @@ class DAFLinear(nn.Module):
         return (f"in_features={self.in_features}, out_features={self.out_features}, roles={self.role}, "
                 f"active={self.active_adapters}, merged={self.merged_adapters}, disabled={self.disabled}")
 
-    # -- snapshot / restore (all-or-nothing model operations) ----------------------------------
-    def _snapshot(self) -> dict[str, Any]:
-        return {"U": dict(self.daf.items()), "D": dict(self.daf_dropout.items()), "role": dict(self.role),
-                "score": dict(self.score), "scaling": dict(self.scaling),
-                "config": copy.deepcopy(self.adapter_config), "active": list(self.active_adapters),
-                "disabled": self.disabled, "merged": list(self.merged_adapters),
-                "flags": {id(p): (p, p.requires_grad) for p in self.parameters()}}
-
-    def _restore(self, snap: dict[str, Any]) -> None:
-        self.daf = nn.ModuleDict(snap["U"])
-        self.daf_dropout = nn.ModuleDict(snap["D"])
-        self.role, self.score, self.scaling = snap["role"], snap["score"], snap["scaling"]
-        self.adapter_config = snap["config"]
-        self.active_adapters = snap["active"]
-        self.disabled = snap["disabled"]
-        self.merged_adapters = snap["merged"]
-        for p, flag in snap["flags"].values():
-            p.requires_grad_(flag)
-
 
 # ------------------------------------------------------------------------------------------------
 # model-level helpers
@@ -538,34 +432,20 @@ class DAFLinear(nn.Module):
 
 def daf_layers(model: nn.Module) -> list[tuple[str, DAFLinear]]:
     """``(qualified name, DAFLinear)`` of every DAF layer of ``model``, in model order."""
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, DAFLinear)]
+    return adapters.adapted_layers(model, DAFLinear)
 
 
 def adapter_names(model: nn.Module) -> list[str]:
     """Names of the DAF adapters in ``model`` (in order of first appearance)."""
-    out: dict[str, None] = {}
-    for _, layer in daf_layers(model):
-        out.update(dict.fromkeys(layer.adapters))
-    return list(out)
+    return adapters.adapter_names(model, DAFLinear)
 
 
 def _layers_of(model: nn.Module, name: str) -> list[tuple[str, DAFLinear]]:
-    layers = [(n, m) for n, m in daf_layers(model) if name in m.role]
-    if not layers:
-        raise KeyError(f"the model has no DAF adapter named {name!r}; it has {adapter_names(model) or 'none'}")
-    return layers
+    return adapters.require_adapter(model, name, DAFLinear)
 
 
-@contextlib.contextmanager
-def _all_or_nothing(model: nn.Module) -> Iterator[None]:
-    snaps = [(layer, layer._snapshot()) for _, layer in daf_layers(model)]
-    with transaction(model):
-        try:
-            yield
-        except BaseException:
-            for layer, snap in snaps:
-                layer._restore(snap)
-            raise
+def _all_or_nothing(model: nn.Module) -> contextlib.AbstractContextManager[None]:
+    return adapters.all_or_nothing(model, DAFLinear)
 
 
 def _sync_trainable(model: nn.Module, freeze_base: bool) -> None:
@@ -1162,79 +1042,36 @@ def report(model: nn.Module, name: str = "default") -> list[dict[str, Any]]:
 
 def set_active(model: nn.Module, names: str | Sequence[str]) -> None:
     """Make ``names`` the active adapter(s) of every DAF layer; their training units become trainable."""
-    names = [names] if isinstance(names, str) else list(names)
-    have = adapter_names(model)
-    missing = [n for n in names if n not in have]
-    if missing:
-        raise KeyError(f"no DAF adapter named {missing} in the model; it has {have or 'none'}")
-    with _all_or_nothing(model):
-        for _, layer in daf_layers(model):
-            layer.set_active([n for n in names if n in layer.role])
-        _sync_trainable(model, freeze_base=False)
+    adapters.set_active(model, names, DAFLinear, _sync_trainable)
 
 
 def enable_adapters(model: nn.Module) -> None:
-    for _, layer in daf_layers(model):
-        layer.set_enabled(True)
+    adapters.enable_adapters(model, DAFLinear)
 
 
 def disable_adapters(model: nn.Module) -> None:
     """Make the model compute the base model's outputs (adapters kept). Refused while merged."""
-    layers = daf_layers(model)
-    merged = [n for n, layer in layers if layer.merged_adapters]
-    if merged:
-        raise RankwiseError(f"adapters are merged into {merged[:3]}; unmerge before disabling")
-    for _, layer in layers:
-        layer.set_enabled(False)
+    adapters.disable_adapters(model, DAFLinear)
 
 
 def merge(model: nn.Module) -> nn.Module:
     """Merge the active adapters' units (training and frozen) into the base weights; all-or-nothing."""
-    layers = daf_layers(model)
-    if not layers:
-        raise RankwiseError("the model has no DAF layers to merge")
-    already = [n for n, layer in layers if layer.merged_adapters]
-    if already:
-        raise RankwiseError(f"adapters are already merged in {already[:3]}; unmerge before merging again")
-    done: list[DAFLinear] = []
-    try:
-        for _, layer in layers:
-            if layer.merge():
-                done.append(layer)
-    except BaseException:
-        for layer in reversed(done):
-            layer.unmerge()
-        raise
+    adapters.merge_all(model, DAFLinear)
     return model
 
 
 def unmerge(model: nn.Module) -> nn.Module:
-    layers = [layer for _, layer in daf_layers(model) if layer.merged_adapters]
-    if not layers:
-        raise RankwiseError("no DAF adapter is merged in this model")
-    for layer in layers:
-        layer.unmerge()
+    adapters.unmerge_all(model, DAFLinear)
     return model
 
 
 def delete_adapter(model: nn.Module, name: str) -> None:
-    layers = _layers_of(model, name)
-    with _all_or_nothing(model):
-        for lname, layer in layers:
-            layer.delete_adapter(name)
-            if not layer.adapters:
-                replace_module(model, lname, layer.base_layer)
+    adapters.delete_adapter(model, name, DAFLinear)
 
 
 def unload(model: nn.Module, merge_first: bool = True) -> nn.Module:
     """Replace every DAFLinear by its base layer (merging the active adapters first if ``merge_first``)."""
-    layers = daf_layers(model)
-    with _all_or_nothing(model):
-        if merge_first and layers and not any(layer.merged_adapters for _, layer in layers):
-            merge(model)
-        for lname, layer in layers:
-            replace_module(model, lname, layer.base_layer)
-    return model
+    return adapters.unload(model, DAFLinear, merge_first)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -43,22 +43,22 @@ Usage::
 from __future__ import annotations
 
 import contextlib
-import copy
 import math
 import re
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
 
-from rankwise.core import io
+from rankwise.core import adapters, io
+from rankwise.core.adapters import AdapterLayer, validate_adapter_name
 from rankwise.core.errors import ArtifactError, NumericalError, RankwiseError, SelectionError
 from rankwise.core.registry import register
 from rankwise.core.select import Selector, available_names, select
-from rankwise.core.surgery import replace_module, transaction
+from rankwise.core.surgery import replace_module
 
 __all__ = [
     "E2LoRAConfig",
@@ -104,7 +104,6 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 _KIND = "rankwise.e2lora"
 _OWN_FILES = {CONFIG_FILE, WEIGHTS_FILE}
-_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]*$")
 _HALF_LOG_2PI_E = 0.5 * math.log(2.0 * math.pi) + 0.5
 #: Entropy is >= 0 once sigma >= 1/sqrt(2 pi e) ~= 0.242; RMI is then no similarity (see plan_e2lora).
 SIGMA_SIGN_CHANGE = 1.0 / math.sqrt(2.0 * math.pi * math.e)
@@ -509,15 +508,7 @@ class _Factor(nn.Module):
         self.weight = nn.Parameter(weight)
 
 
-def validate_adapter_name(name: str) -> str:
-    if not isinstance(name, str) or not _NAME_RE.match(name):
-        raise ValueError(f"adapter name must match {_NAME_RE.pattern} (no dots or spaces), got {name!r}")
-    if hasattr(nn.ModuleDict(), name):
-        raise ValueError(f"adapter name {name!r} clashes with an nn.ModuleDict attribute; choose another")
-    return name
-
-
-class E2LoRALinear(nn.Module):
+class E2LoRALinear(AdapterLayer):
     """A Linear layer with named E²LoRA adapters: ``y = base(x) + sum_active s B A[:r] dropout(x)``.
 
     Per adapter ``name``: ``e2lora_A[name].weight (r_A, in)`` with ``r_A >= r`` (shared within an interval,
@@ -525,47 +516,24 @@ class E2LoRALinear(nn.Module):
     ``s = alpha / r``. Shapes: ``x (..., in_features) -> y (..., out_features)``.
     """
 
-    is_rankwise_wrapper = True
+    adapter_store = "e2lora_B"
+    adapter_fields = ("e2lora_A", "e2lora_B", "e2lora_dropout", "rank", "scaling", "adapter_config", "plans")
+    adapter_label = "E²LoRA adapter"
+    family = "E²LoRA"
 
     def __init__(self, base_layer: nn.Linear, layer_name: str = "") -> None:
-        super().__init__()
         if not isinstance(base_layer, nn.Linear):
             raise TypeError(f"E2LoRALinear wraps nn.Linear, got {type(base_layer).__name__}"
                             f"{' at ' + layer_name if layer_name else ''}")
-        self.base_layer = base_layer
+        super().__init__(base_layer, layer_name)
         self.in_features, self.out_features = base_layer.in_features, base_layer.out_features
         self.e2lora_A = nn.ModuleDict()
         self.e2lora_B = nn.ModuleDict()
         self.e2lora_dropout = nn.ModuleDict()
         self.rank: dict[str, int] = {}
         self.scaling: dict[str, float] = {}
-        self.adapter_config: dict[str, dict[str, Any]] = {}
         self.plans: dict[str, E2LoRAPlan] = {}
-        self.active_adapters: list[str] = []
-        self.disabled = False
-        self.merged_adapters: list[str] = []
-        self.layer_name = layer_name
-        self.fingerprint_values = {n: io.value_sample(p) for n, p in base_layer.named_parameters() if not p.is_meta}
         self.train(base_layer.training)
-
-    def _where(self) -> str:
-        return f"layer {self.layer_name!r}" if self.layer_name else "E2LoRALinear"
-
-    @property
-    def weight(self) -> torch.Tensor:
-        return self.base_layer.weight
-
-    @property
-    def bias(self) -> torch.Tensor | None:
-        return self.base_layer.bias
-
-    @property
-    def adapters(self) -> list[str]:
-        return list(self.e2lora_B.keys())
-
-    def _require(self, name: str) -> None:
-        if name not in self.e2lora_B:
-            raise KeyError(f"{self._where()} has no adapter {name!r} (it has {self.adapters})")
 
     def add_adapter(self, name: str, A: _Factor, B: _Factor, rank: int, scaling: float, *, dropout: float = 0.0,
                     config: Mapping[str, Any] | None = None, plan: E2LoRAPlan | None = None) -> None:
@@ -589,27 +557,6 @@ class E2LoRALinear(nn.Module):
         if plan is not None:
             self.plans[name] = plan
 
-    def delete_adapter(self, name: str) -> None:
-        self._require(name)
-        if name in self.merged_adapters:
-            raise RankwiseError(f"{self._where()}: adapter {name!r} is merged; unmerge before deleting it")
-        for d in (self.e2lora_A, self.e2lora_B, self.e2lora_dropout):
-            del d[name]
-        for d in (self.rank, self.scaling, self.adapter_config, self.plans):
-            d.pop(name, None)
-        self.active_adapters = [n for n in self.active_adapters if n != name]
-
-    def set_active(self, names: str | Sequence[str]) -> None:
-        names = [names] if isinstance(names, str) else list(names)
-        for n in names:
-            self._require(n)
-        if self.merged_adapters:
-            raise RankwiseError(f"{self._where()}: adapters {self.merged_adapters} are merged; unmerge first")
-        self.active_adapters = names
-
-    def set_enabled(self, enabled: bool) -> None:
-        self.disabled = not enabled
-
     def factors(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         """``(A[:r] (r, in), B (out, r))`` of adapter ``name``."""
         self._require(name)
@@ -622,31 +569,6 @@ class E2LoRALinear(nn.Module):
         dt = dtype or torch.promote_types(A.dtype, torch.float32)
         with torch.no_grad():
             return (B.to(dt) @ A.to(dt)) * self.scaling[name]
-
-    def merge(self) -> bool:
-        if self.merged_adapters:
-            raise RankwiseError(f"{self._where()}: already merged ({self.merged_adapters}); unmerge first")
-        if self.disabled or not self.active_adapters:
-            return False
-        w = self.base_layer.weight
-        dt = torch.promote_types(w.dtype, torch.float32)
-        deltas = [(n, self.delta_weight(n, dt)) for n in self.active_adapters]
-        for n, d in deltas:
-            if not bool(torch.isfinite(d).all()):
-                raise NumericalError(f"{self._where()}: adapter {n!r} holds non-finite values; cannot merge")
-        with torch.no_grad():
-            w.add_(sum(d for _, d in deltas).to(w.dtype))
-        self.merged_adapters = list(self.active_adapters)
-        return True
-
-    def unmerge(self) -> None:
-        if not self.merged_adapters:
-            return
-        w = self.base_layer.weight
-        dt = torch.promote_types(w.dtype, torch.float32)
-        with torch.no_grad():
-            w.sub_(sum(self.delta_weight(n, dt) for n in self.merged_adapters).to(w.dtype))
-        self.merged_adapters = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         result = self.base_layer(x)
@@ -662,24 +584,6 @@ class E2LoRALinear(nn.Module):
         return (f"in_features={self.in_features}, out_features={self.out_features}, ranks={self.rank}, "
                 f"active={self.active_adapters}, merged={self.merged_adapters}, disabled={self.disabled}")
 
-    def _snapshot(self) -> dict[str, Any]:
-        return {"A": dict(self.e2lora_A.items()), "B": dict(self.e2lora_B.items()),
-                "D": dict(self.e2lora_dropout.items()), "rank": dict(self.rank), "scaling": dict(self.scaling),
-                "config": copy.deepcopy(self.adapter_config), "plans": dict(self.plans),
-                "active": list(self.active_adapters), "disabled": self.disabled,
-                "merged": list(self.merged_adapters),
-                "flags": {id(p): (p, p.requires_grad) for p in self.parameters()}}
-
-    def _restore(self, snap: dict[str, Any]) -> None:
-        self.e2lora_A = nn.ModuleDict(snap["A"])
-        self.e2lora_B = nn.ModuleDict(snap["B"])
-        self.e2lora_dropout = nn.ModuleDict(snap["D"])
-        self.rank, self.scaling = snap["rank"], snap["scaling"]
-        self.adapter_config, self.plans = snap["config"], snap["plans"]
-        self.active_adapters, self.disabled, self.merged_adapters = snap["active"], snap["disabled"], snap["merged"]
-        for p, flag in snap["flags"].values():
-            p.requires_grad_(flag)
-
 
 # ------------------------------------------------------------------------------------------------
 # model-level helpers
@@ -687,27 +591,16 @@ class E2LoRALinear(nn.Module):
 
 def e2lora_layers(model: nn.Module) -> list[tuple[str, E2LoRALinear]]:
     """``(qualified name, E2LoRALinear)`` of every E²LoRA layer of ``model``, in model order."""
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, E2LoRALinear)]
+    return adapters.adapted_layers(model, E2LoRALinear)
 
 
 def adapter_names(model: nn.Module) -> list[str]:
     """Names of the E²LoRA adapters the model holds (first-seen order)."""
-    out: dict[str, None] = {}
-    for _, layer in e2lora_layers(model):
-        out.update(dict.fromkeys(layer.adapters))
-    return list(out)
+    return adapters.adapter_names(model, E2LoRALinear)
 
 
-@contextlib.contextmanager
-def _all_or_nothing(model: nn.Module) -> Iterator[None]:
-    snaps = [(layer, layer._snapshot()) for _, layer in e2lora_layers(model)]
-    with transaction(model):
-        try:
-            yield
-        except BaseException:
-            for layer, snap in snaps:
-                layer._restore(snap)
-            raise
+def _all_or_nothing(model: nn.Module) -> contextlib.AbstractContextManager[None]:
+    return adapters.all_or_nothing(model, E2LoRALinear)
 
 
 def _adapter_params(layer: E2LoRALinear, name: str) -> list[nn.Parameter]:
@@ -1160,87 +1053,41 @@ def trainable_parameters(model: nn.Module, name: str = "default") -> int:
 # ------------------------------------------------------------------------------------------------
 
 def _require_adapter(model: nn.Module, name: str) -> list[tuple[str, E2LoRALinear]]:
-    layers = [(n, m) for n, m in e2lora_layers(model) if name in m.adapters]
-    if not layers:
-        raise KeyError(f"the model has no E²LoRA adapter named {name!r}; it has {adapter_names(model) or 'none'}")
-    return layers
+    return adapters.require_adapter(model, name, E2LoRALinear)
 
 
 def set_active(model: nn.Module, names: str | Sequence[str]) -> None:
     """Make ``names`` the active (trainable) adapter(s) of every E²LoRA layer; others inactive (frozen)."""
-    names = [names] if isinstance(names, str) else list(names)
-    have = adapter_names(model)
-    missing = [n for n in names if n not in have]
-    if missing:
-        raise KeyError(f"no E²LoRA adapter named {missing} in the model; it has {have or 'none'}")
-    with _all_or_nothing(model):
-        for _, layer in e2lora_layers(model):
-            layer.set_active([n for n in names if n in layer.adapters])
-        _sync_trainable(model, freeze_base=False)
+    adapters.set_active(model, names, E2LoRALinear, _sync_trainable)
 
 
 def enable_adapters(model: nn.Module) -> None:
-    for _, layer in e2lora_layers(model):
-        layer.set_enabled(True)
+    adapters.enable_adapters(model, E2LoRALinear)
 
 
 def disable_adapters(model: nn.Module) -> None:
     """Make the model compute the base model's outputs (adapters kept). Refused while merged."""
-    layers = e2lora_layers(model)
-    merged = [n for n, layer in layers if layer.merged_adapters]
-    if merged:
-        raise RankwiseError(f"adapters are merged into {merged[:3]}; unmerge before disabling")
-    for _, layer in layers:
-        layer.set_enabled(False)
+    adapters.disable_adapters(model, E2LoRALinear)
 
 
 def merge(model: nn.Module) -> nn.Module:
     """Merge the active adapters into the base weights (``W_l += s B_k A_k[:r]`` per layer); all-or-nothing."""
-    layers = e2lora_layers(model)
-    if not layers:
-        raise RankwiseError("the model has no E²LoRA layers to merge")
-    already = [n for n, layer in layers if layer.merged_adapters]
-    if already:
-        raise RankwiseError(f"adapters are already merged in {already[:3]}; unmerge before merging again")
-    done: list[E2LoRALinear] = []
-    try:
-        for _, layer in layers:
-            if layer.merge():
-                done.append(layer)
-    except BaseException:
-        for layer in reversed(done):
-            layer.unmerge()
-        raise
+    adapters.merge_all(model, E2LoRALinear)
     return model
 
 
 def unmerge(model: nn.Module) -> nn.Module:
-    layers = [layer for _, layer in e2lora_layers(model) if layer.merged_adapters]
-    if not layers:
-        raise RankwiseError("no E²LoRA adapter is merged in this model")
-    for layer in layers:
-        layer.unmerge()
+    adapters.unmerge_all(model, E2LoRALinear)
     return model
 
 
 def delete_adapter(model: nn.Module, name: str) -> None:
-    layers = _require_adapter(model, name)
-    with _all_or_nothing(model):
-        for lname, layer in layers:
-            layer.delete_adapter(name)
-            if not layer.adapters:
-                replace_module(model, lname, layer.base_layer)
+    adapters.delete_adapter(model, name, E2LoRALinear)
 
 
 def unload(model: nn.Module, merge_first: bool = True) -> nn.Module:
     """Replace every E2LoRALinear by its base layer (merging the active adapters first if ``merge_first``)."""
-    layers = e2lora_layers(model)
-    with _all_or_nothing(model):
-        if merge_first and layers and not any(layer.merged_adapters for _, layer in layers):
-            merge(model)
-        for lname, layer in layers:
-            replace_module(model, lname, layer.base_layer)
-    return model
+    return adapters.unload(model, E2LoRALinear, merge_first)
 
 
 # ------------------------------------------------------------------------------------------------

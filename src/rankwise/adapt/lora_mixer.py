@@ -39,9 +39,7 @@ A routed mixture depends on the input, so it cannot be merged into ``W``: :func:
 from __future__ import annotations
 
 import contextlib
-import copy
 import math
-import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,12 +48,13 @@ from typing import Any, Iterator, Sequence, Union
 import torch
 from torch import nn
 
-from rankwise.core import io
+from rankwise.core import adapters, io
+from rankwise.core.adapters import AdapterLayer, validate_adapter_name
 from rankwise.core.errors import ArtifactError, NumericalError, RankwiseError, SelectionError
 from rankwise.core.lora import AdapterState
 from rankwise.core.registry import register
 from rankwise.core.select import Selector, select
-from rankwise.core.surgery import replace_module, transaction
+from rankwise.core.surgery import replace_module
 
 __all__ = [
     "FUSIONS",
@@ -95,7 +94,6 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 _KIND = "rankwise.lora_mixer"
 _OWN_FILES = {CONFIG_FILE, WEIGHTS_FILE}
-_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]*$")
 #: Probabilities are clamped to this floor inside log p of the entropy (p log p -> 0 as p -> 0).
 LOG_FLOOR = 1e-12
 DEFAULT_TARGET = ("query", "key", "value", "attention.output.dense", "q_proj", "k_proj", "v_proj", "o_proj",
@@ -329,42 +327,28 @@ class _Mixer(nn.Module):
         return out
 
 
-class LoRAMixerLinear(nn.Module):
+class LoRAMixerLinear(AdapterLayer):
     """A linear layer with named LoRA-Mixer adapters: ``y = base(x) + sum_active mixer(x)``.
 
     Shapes: ``x (..., in_features) -> (..., out_features)``. Fusion: "soft" in training mode, "topk" in
     eval mode, unless forced by :func:`fusion`; "hard" inside :func:`hard_routing`.
     """
 
-    is_rankwise_wrapper = True
+    adapter_store = "mixer"
+    adapter_fields = ("mixer", "adapter_config")
+    adapter_label = "LoRA-Mixer adapter"
+    family = "LoRA-Mixer"
+    mergeable = False
 
     def __init__(self, base_layer: nn.Module, layer_name: str = "") -> None:
-        super().__init__()
         if not isinstance(base_layer, nn.Linear):
             raise TypeError(f"LoRA-Mixer wraps nn.Linear layers, got {type(base_layer).__name__} at {layer_name!r}")
-        self.base_layer = base_layer
+        super().__init__(base_layer, layer_name)
         self.in_features, self.out_features = base_layer.in_features, base_layer.out_features
         self.mixer = nn.ModuleDict()
-        self.adapter_config: dict[str, dict[str, Any]] = {}
-        self.active_adapters: list[str] = []
-        self.disabled = False
-        self.layer_name = layer_name
         self.forced_fusion: str | None = None
         self.hard_labels: torch.Tensor | None = None
-        self.fingerprint_values = {n: io.value_sample(p) for n, p in base_layer.named_parameters() if not p.is_meta}
         self.train(base_layer.training)
-
-    @property
-    def weight(self) -> torch.Tensor:
-        return self.base_layer.weight
-
-    @property
-    def bias(self) -> torch.Tensor | None:
-        return self.base_layer.bias
-
-    @property
-    def adapters(self) -> list[str]:
-        return list(self.mixer.keys())
 
     def fusion_mode(self) -> str:
         if self.hard_labels is not None:
@@ -389,21 +373,14 @@ class LoRAMixerLinear(nn.Module):
                 f"active={self.active_adapters}, disabled={self.disabled}")
 
     def _snapshot(self) -> dict[str, Any]:
-        return {"M": dict(self.mixer.items()), "config": copy.deepcopy(self.adapter_config),
-                "active": list(self.active_adapters), "disabled": self.disabled,
-                "flags": {n: p.requires_grad for n, p in self.named_parameters()},
-                "frozen": {n: list(m.frozen) for n, m in self.mixer.items()}}
+        snap = super()._snapshot()
+        snap["frozen"] = {n: list(m.frozen) for n, m in self.mixer.items()}
+        return snap
 
     def _restore(self, snap: dict[str, Any]) -> None:
-        self.mixer = nn.ModuleDict(snap["M"])
-        self.adapter_config = snap["config"]
-        self.active_adapters = snap["active"]
-        self.disabled = snap["disabled"]
+        super()._restore(snap)
         for n, fr in snap["frozen"].items():
             self.mixer[n].frozen = fr
-        for n, p in self.named_parameters():
-            if n in snap["flags"]:
-                p.requires_grad_(snap["flags"][n])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -412,34 +389,15 @@ class LoRAMixerLinear(nn.Module):
 
 def mixer_layers(model: nn.Module) -> list[tuple[str, LoRAMixerLinear]]:
     """``(qualified name, LoRAMixerLinear)`` of every LoRA-Mixer layer of ``model``, in model order."""
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, LoRAMixerLinear)]
+    return adapters.adapted_layers(model, LoRAMixerLinear)
 
 
 def adapter_names(model: nn.Module) -> list[str]:
-    out: dict[str, None] = {}
-    for _, layer in mixer_layers(model):
-        out.update(dict.fromkeys(layer.adapters))
-    return list(out)
+    return adapters.adapter_names(model, LoRAMixerLinear)
 
 
-def validate_adapter_name(name: str) -> str:
-    if not isinstance(name, str) or not _NAME_RE.match(name):
-        raise ValueError(f"adapter name must match {_NAME_RE.pattern} (no dots or spaces), got {name!r}")
-    if hasattr(nn.ModuleDict(), name):
-        raise ValueError(f"adapter name {name!r} clashes with an nn.ModuleDict attribute; choose another")
-    return name
-
-
-@contextlib.contextmanager
-def _all_or_nothing(model: nn.Module) -> Iterator[None]:
-    snaps = [(layer, layer._snapshot()) for _, layer in mixer_layers(model)]
-    with transaction(model):
-        try:
-            yield
-        except BaseException:
-            for layer, snap in snaps:
-                layer._restore(snap)
-            raise
+def _all_or_nothing(model: nn.Module) -> contextlib.AbstractContextManager[None]:
+    return adapters.all_or_nothing(model, LoRAMixerLinear)
 
 
 def _sync_trainable(model: nn.Module, freeze_base: bool, stage: str = "all") -> None:
@@ -599,23 +557,12 @@ apply_lora_mixer = adapt
 
 
 def _require_adapter(model: nn.Module, name: str) -> list[tuple[str, LoRAMixerLinear]]:
-    layers = [(n, m) for n, m in mixer_layers(model) if name in m.mixer]
-    if not layers:
-        raise KeyError(f"the model has no LoRA-Mixer adapter named {name!r}; it has {adapter_names(model) or 'none'}")
-    return layers
+    return adapters.require_adapter(model, name, LoRAMixerLinear)
 
 
 def set_active(model: nn.Module, names: str | Sequence[str]) -> None:
     """Make ``names`` the active (trainable) adapter(s) of every LoRA-Mixer layer; the others inactive (frozen)."""
-    names = [names] if isinstance(names, str) else list(names)
-    have = adapter_names(model)
-    missing = [n for n in names if n not in have]
-    if missing:
-        raise KeyError(f"no LoRA-Mixer adapter named {missing} in the model; it has {have or 'none'}")
-    with _all_or_nothing(model):
-        for _, layer in mixer_layers(model):
-            layer.active_adapters = [n for n in names if n in layer.mixer]
-        _sync_trainable(model, freeze_base=False)
+    adapters.set_active(model, names, LoRAMixerLinear, _sync_trainable)
 
 
 def set_stage(model: nn.Module, stage: str) -> None:
@@ -671,14 +618,12 @@ def fusion(model: nn.Module, mode: str | None) -> Iterator[None]:
 
 
 def enable_adapters(model: nn.Module) -> None:
-    for _, layer in mixer_layers(model):
-        layer.disabled = False
+    adapters.enable_adapters(model, LoRAMixerLinear)
 
 
 def disable_adapters(model: nn.Module) -> None:
     """Make the model compute the base model's outputs (adapters kept)."""
-    for _, layer in mixer_layers(model):
-        layer.disabled = True
+    adapters.disable_adapters(model, LoRAMixerLinear)
 
 
 _NO_MERGE = ("LoRA-Mixer adapters cannot be merged into the base weights: each token's update is a router-weighted "
@@ -697,22 +642,12 @@ def unmerge(model: nn.Module) -> nn.Module:
 
 
 def delete_adapter(model: nn.Module, name: str) -> None:
-    layers = _require_adapter(model, name)
-    with _all_or_nothing(model):
-        for lname, layer in layers:
-            del layer.mixer[name]
-            layer.adapter_config.pop(name, None)
-            layer.active_adapters = [n for n in layer.active_adapters if n != name]
-            if not layer.adapters:
-                replace_module(model, lname, layer.base_layer)
+    adapters.delete_adapter(model, name, LoRAMixerLinear)
 
 
 def unload(model: nn.Module) -> nn.Module:
     """Replace every LoRAMixerLinear by its base layer."""
-    with _all_or_nothing(model):
-        for lname, layer in mixer_layers(model):
-            replace_module(model, lname, layer.base_layer)
-    return model
+    return adapters.unload(model, LoRAMixerLinear, merge_first=False)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -48,22 +48,21 @@ raises :class:`~rankwise.core.errors.RankwiseError` saying so.
 from __future__ import annotations
 
 import contextlib
-import copy
 import math
-import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import nn
 
-from rankwise.core import io
+from rankwise.core import adapters, io
+from rankwise.core.adapters import AdapterLayer, validate_adapter_name
 from rankwise.core.errors import ArtifactError, NumericalError, RankwiseError, SelectionError
 from rankwise.core.registry import register
 from rankwise.core.select import Selector, matcher, select
-from rankwise.core.surgery import replace_module, transaction
+from rankwise.core.surgery import replace_module
 
 __all__ = [
     "PLACEMENTS",
@@ -100,7 +99,6 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 _KIND = "rankwise.mtlora"
 _OWN_FILES = {CONFIG_FILE, WEIGHTS_FILE}
-_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]*$")
 #: Epsilon of the squared coefficient of variation (HydraLoRA's ``cv_squared``).
 CV_EPS = 1e-10
 
@@ -378,7 +376,7 @@ def _owned_base(base: nn.Module) -> nn.Linear:
     return base
 
 
-class MtLoRALinear(nn.Module):
+class MtLoRALinear(AdapterLayer):
     """A linear layer that may carry mtLoRA adapters and/or pass its input on to other layers' adapters.
 
     ``forward(x (..., in)) -> (..., out)`` is ``base(x) + sum_active adapter(u)`` where ``u`` is ``x`` for
@@ -387,33 +385,19 @@ class MtLoRALinear(nn.Module):
     for its *sinks*). Adapters live in ``self.mtlora`` (an ``nn.ModuleDict`` by name).
     """
 
-    is_rankwise_wrapper = True
+    adapter_store = "mtlora"
+    adapter_fields = ("mtlora", "adapter_config")
+    adapter_label = "mtLoRA adapter"
+    family = "mtLoRA"
+    mergeable = False
 
     def __init__(self, base_layer: nn.Module, layer_name: str = "") -> None:
-        super().__init__()
-        self.base_layer = _owned_base(base_layer)
+        super().__init__(_owned_base(base_layer), layer_name)
         self.in_features, self.out_features = base_layer.in_features, base_layer.out_features
         self.mtlora = nn.ModuleDict()
-        self.adapter_config: dict[str, dict[str, Any]] = {}
-        self.active_adapters: list[str] = []
-        self.disabled = False
-        self.layer_name = layer_name
-        self.fingerprint_values = {n: io.value_sample(p) for n, p in base_layer.named_parameters() if not p.is_meta}
         object.__setattr__(self, "_sinks", [])   # plain list: sinks are not submodules of this layer
         object.__setattr__(self, "_tapped", None)
         self.train(base_layer.training)
-
-    @property
-    def weight(self) -> torch.Tensor:
-        return self.base_layer.weight
-
-    @property
-    def bias(self) -> torch.Tensor | None:
-        return self.base_layer.bias
-
-    @property
-    def adapters(self) -> list[str]:
-        return list(self.mtlora.keys())
 
     def add_sink(self, sink: "MtLoRALinear") -> None:
         if not any(s is sink for s in self._sinks):
@@ -445,19 +429,13 @@ class MtLoRALinear(nn.Module):
                 f"active={self.active_adapters}, sinks={len(self._sinks)}, disabled={self.disabled}")
 
     def _snapshot(self) -> dict[str, Any]:
-        return {"M": dict(self.mtlora.items()), "config": copy.deepcopy(self.adapter_config),
-                "active": list(self.active_adapters), "disabled": self.disabled, "sinks": list(self._sinks),
-                "flags": {n: p.requires_grad for n, p in self.named_parameters()}}
+        snap = super()._snapshot()
+        snap["sinks"] = list(self._sinks)
+        return snap
 
     def _restore(self, snap: dict[str, Any]) -> None:
-        self.mtlora = nn.ModuleDict(snap["M"])
-        self.adapter_config = snap["config"]
-        self.active_adapters = snap["active"]
-        self.disabled = snap["disabled"]
+        super()._restore(snap)
         object.__setattr__(self, "_sinks", snap["sinks"])
-        for n, p in self.named_parameters():
-            if n in snap["flags"]:
-                p.requires_grad_(snap["flags"][n])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -466,34 +444,15 @@ class MtLoRALinear(nn.Module):
 
 def mtlora_layers(model: nn.Module) -> list[tuple[str, MtLoRALinear]]:
     """``(qualified name, MtLoRALinear)`` of every mtLoRA wrapper of ``model``, in model order."""
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, MtLoRALinear)]
+    return adapters.adapted_layers(model, MtLoRALinear)
 
 
 def adapter_names(model: nn.Module) -> list[str]:
-    out: dict[str, None] = {}
-    for _, layer in mtlora_layers(model):
-        out.update(dict.fromkeys(layer.adapters))
-    return list(out)
+    return adapters.adapter_names(model, MtLoRALinear)
 
 
-def validate_adapter_name(name: str) -> str:
-    if not isinstance(name, str) or not _NAME_RE.match(name):
-        raise ValueError(f"adapter name must match {_NAME_RE.pattern} (no dots or spaces), got {name!r}")
-    if hasattr(nn.ModuleDict(), name):
-        raise ValueError(f"adapter name {name!r} clashes with an nn.ModuleDict attribute; choose another")
-    return name
-
-
-@contextlib.contextmanager
-def _all_or_nothing(model: nn.Module) -> Iterator[None]:
-    snaps = [(layer, layer._snapshot()) for _, layer in mtlora_layers(model)]
-    with transaction(model):
-        try:
-            yield
-        except BaseException:
-            for layer, snap in snaps:
-                layer._restore(snap)
-            raise
+def _all_or_nothing(model: nn.Module) -> contextlib.AbstractContextManager[None]:
+    return adapters.all_or_nothing(model, MtLoRALinear)
 
 
 def _sync_trainable(model: nn.Module, freeze_base: bool) -> None:
@@ -660,34 +619,21 @@ def _install(model: nn.Module, name: str, tap: str | None, out: str, d_in: int, 
 
 
 def _require_adapter(model: nn.Module, name: str) -> list[tuple[str, MtLoRALinear]]:
-    layers = [(n, m) for n, m in mtlora_layers(model) if name in m.mtlora]
-    if not layers:
-        raise KeyError(f"the model has no mtLoRA adapter named {name!r}; it has {adapter_names(model) or 'none'}")
-    return layers
+    return adapters.require_adapter(model, name, MtLoRALinear)
 
 
 def set_active(model: nn.Module, names: str | Sequence[str]) -> None:
     """Make ``names`` the active (trainable) adapter(s) of every mtLoRA layer; the others inactive (frozen)."""
-    names = [names] if isinstance(names, str) else list(names)
-    have = adapter_names(model)
-    missing = [n for n in names if n not in have]
-    if missing:
-        raise KeyError(f"no mtLoRA adapter named {missing} in the model; it has {have or 'none'}")
-    with _all_or_nothing(model):
-        for _, layer in mtlora_layers(model):
-            layer.active_adapters = [n for n in names if n in layer.mtlora]
-        _sync_trainable(model, freeze_base=False)
+    adapters.set_active(model, names, MtLoRALinear, _sync_trainable)
 
 
 def enable_adapters(model: nn.Module) -> None:
-    for _, layer in mtlora_layers(model):
-        layer.disabled = False
+    adapters.enable_adapters(model, MtLoRALinear)
 
 
 def disable_adapters(model: nn.Module) -> None:
     """Make the model compute the base model's outputs (adapters kept)."""
-    for _, layer in mtlora_layers(model):
-        layer.disabled = True
+    adapters.disable_adapters(model, MtLoRALinear)
 
 
 _NO_MERGE = ("mtLoRA adapters cannot be merged into the base weights: the expert mixture is weighted per token by "
@@ -723,21 +669,13 @@ def _prune(model: nn.Module) -> None:
 
 
 def delete_adapter(model: nn.Module, name: str) -> None:
-    layers = _require_adapter(model, name)
-    with _all_or_nothing(model):
-        for _, layer in layers:
-            del layer.mtlora[name]
-            layer.adapter_config.pop(name, None)
-            layer.active_adapters = [n for n in layer.active_adapters if n != name]
-        _prune(model)
+    """Remove adapter ``name`` everywhere, then drop unused sinks and unwrap layers that carry nothing."""
+    adapters.delete_adapter(model, name, MtLoRALinear, unwrap_empty=False, after=_prune)
 
 
 def unload(model: nn.Module) -> nn.Module:
     """Remove every mtLoRA wrapper (and adapter), giving back the base model's modules."""
-    with _all_or_nothing(model):
-        for lname, layer in mtlora_layers(model):
-            replace_module(model, lname, layer.base_layer)
-    return model
+    return adapters.unload(model, MtLoRALinear, merge_first=False)
 
 
 # ------------------------------------------------------------------------------------------------
