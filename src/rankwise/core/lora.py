@@ -28,19 +28,19 @@ import contextlib
 import copy
 import json
 import math
-import re
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch import nn
 
-from rankwise.core import io
-from rankwise.core.errors import ArtifactError, NumericalError, RankwiseError, SelectionError
+from rankwise.core import adapters, io
+from rankwise.core.adapters import AdapterLayer, validate_adapter_name
+from rankwise.core.errors import ArtifactError, RankwiseError, SelectionError
 from rankwise.core.select import Selector, available_names, select
-from rankwise.core.surgery import replace_module, transaction
+from rankwise.core.surgery import replace_module
 
 __all__ = [
     "AdapterState",
@@ -63,7 +63,6 @@ __all__ = [
 ]
 
 INITS = ("kaiming", "gaussian")
-_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]*$")
 _STATE_KIND = "rankwise.adapter_state"
 
 
@@ -77,21 +76,12 @@ def lora_scaling(alpha: float, rank: int, use_rslora: bool = False) -> float:
     return alpha / math.sqrt(rank) if use_rslora else alpha / rank
 
 
-def validate_adapter_name(name: str) -> str:
-    """Adapter names are identifiers (letters, digits, ``_``, ``-``; no dots: they become module keys)."""
-    if not isinstance(name, str) or not _NAME_RE.match(name):
-        raise ValueError(f"adapter name must match {_NAME_RE.pattern} (no dots or spaces), got {name!r}")
-    if hasattr(nn.ModuleDict(), name):
-        raise ValueError(f"adapter name {name!r} clashes with an nn.ModuleDict attribute; choose another")
-    return name
-
-
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """Products of low-precision factors are formed in float32 (float64 stays float64)."""
     return torch.promote_types(dtype, torch.float32)
 
 
-class LoraLinear(nn.Module):
+class LoraLinear(AdapterLayer):
     """An ``nn.Linear`` with named LoRA adapters: ``y = base(x) + sum_active s_k B_k A_k dropout_k(x)``.
 
     Shapes: ``x (..., in_features) -> y (..., out_features)``; ``lora_A[k].weight (r_k, in)``,
@@ -100,59 +90,30 @@ class LoraLinear(nn.Module):
 
     ``is_rankwise_wrapper`` and ``fingerprint_values`` (value samples of the base parameters taken
     when wrapping) let :func:`rankwise.core.io.model_fingerprint` see the unadapted base model.
+    Selecting, enabling, deleting and snapshotting come from :class:`rankwise.core.adapters.AdapterLayer`.
     """
 
-    is_rankwise_wrapper = True
+    adapter_store = "lora_A"
+    adapter_fields = ("lora_A", "lora_B", "lora_dropout", "scaling", "adapter_config")
+    adapter_label = "adapter"
+    family = "LoRA"
 
     def __init__(self, base_layer: nn.Linear, layer_name: str = "") -> None:
-        super().__init__()
         if not isinstance(base_layer, nn.Linear):
             raise TypeError(f"LoraLinear wraps nn.Linear, got {type(base_layer).__name__}"
                             f"{' at ' + layer_name if layer_name else ''}")
-        self.base_layer = base_layer
+        super().__init__(base_layer, layer_name)
         self.in_features = base_layer.in_features
         self.out_features = base_layer.out_features
         self.lora_A = nn.ModuleDict()
         self.lora_B = nn.ModuleDict()
         self.lora_dropout = nn.ModuleDict()
         self.scaling: dict[str, float] = {}
-        self.adapter_config: dict[str, dict[str, Any]] = {}
-        self.active_adapters: list[str] = []
-        self.disabled = False
-        self.merged_adapters: list[str] = []
-        self.layer_name = layer_name
-        self.fingerprint_values = {n: io.value_sample(p) for n, p in base_layer.named_parameters()
-                                   if not p.is_meta}
         self.train(base_layer.training)  # a wrapper inherits train/eval mode from the layer it wraps
-
-    # -- helpers ------------------------------------------------------------------------------
-    def _where(self) -> str:
-        return f"layer {self.layer_name!r}" if self.layer_name else "LoraLinear"
-
-    @property
-    def weight(self) -> torch.Tensor:
-        """The base weight (so code reading ``layer.weight`` keeps working)."""
-        return self.base_layer.weight
-
-    @property
-    def bias(self) -> torch.Tensor | None:
-        return self.base_layer.bias
-
-    @property
-    def adapters(self) -> list[str]:
-        return list(self.lora_A.keys())
-
-    @property
-    def merged(self) -> bool:
-        return bool(self.merged_adapters)
 
     def rank(self, name: str) -> int:
         self._require(name)
         return int(self.lora_A[name].weight.shape[0])
-
-    def _require(self, name: str) -> None:
-        if name not in self.lora_A:
-            raise KeyError(f"{self._where()} has no adapter {name!r} (it has {self.adapters})")
 
     # -- adapters -----------------------------------------------------------------------------
     def add_adapter(
@@ -207,7 +168,7 @@ class LoraLinear(nn.Module):
             raise ValueError(f"{self._where()}: scaling must be finite, got {scaling!r}")
         was_active = name in self.active_adapters
         if name in self.lora_A:
-            self._remove(name)
+            self._drop_adapter(name)
         dev = self.base_layer.weight.device
         cfg = dict(config or {})
         cfg.setdefault("rank", int(lora_A.shape[0]))
@@ -234,85 +195,29 @@ class LoraLinear(nn.Module):
         self.scaling[name] = float(scaling)
         self.adapter_config[name] = cfg
 
-    def _remove(self, name: str) -> None:
-        del self.lora_A[name], self.lora_B[name], self.lora_dropout[name]
-        self.scaling.pop(name, None)
-        self.adapter_config.pop(name, None)
-        if name in self.active_adapters:
-            self.active_adapters.remove(name)
-
-    def delete_adapter(self, name: str) -> None:
-        self._require(name)
-        if name in self.merged_adapters:
-            raise RankwiseError(f"{self._where()}: adapter {name!r} is merged; unmerge before deleting it")
-        self._remove(name)
-
-    def set_active(self, names: str | Sequence[str]) -> None:
-        """Make exactly ``names`` the active adapters (their updates are summed)."""
-        names = [names] if isinstance(names, str) else list(names)
-        for n in names:
-            self._require(n)
-        if self.merged_adapters:
-            raise RankwiseError(f"{self._where()}: adapters {self.merged_adapters} are merged; unmerge before "
-                                "changing the active adapters")
-        self.active_adapters = list(dict.fromkeys(names))
-
-    def set_enabled(self, enabled: bool) -> None:
-        if not enabled and self.merged_adapters:
-            raise RankwiseError(f"{self._where()}: adapters {self.merged_adapters} are merged into the base weight; "
-                                "unmerge before disabling them")
-        self.disabled = not enabled
-
     # -- math -----------------------------------------------------------------------------------
-    def delta_weight(self, name: str) -> torch.Tensor:
-        """``s * B @ A``, shape (out, in), in float32 (float64 if the factors are float64)."""
+    def delta_weight(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``s * B @ A``, shape (out, in), in ``dtype`` (default float32, float64 if the factors are float64)."""
         self._require(name)
         a = self.lora_A[name].weight
         b = self.lora_B[name].weight
-        dt = _compute_dtype(a.dtype)
+        dt = dtype or _compute_dtype(a.dtype)
         return (b.detach().to(dt) @ a.detach().to(dt)) * self.scaling[name]
 
-    @torch.no_grad()
-    def merge(self, names: Sequence[str] | None = None) -> list[str]:
-        """Add the updates of ``names`` (default: the active adapters) into ``base_layer.weight``.
+    def merge(self, names: Sequence[str] | None = None) -> list[str]:  # type: ignore[override]
+        """Add the updates of ``names`` (default: the active adapters) into ``base_layer.weight``; returns them.
 
-        Refuses to merge twice. The sum is formed in float32 or wider and written back in place in the
-        base weight's dtype; a non-finite result raises NumericalError and leaves the weight unchanged.
+        Refuses to merge twice or while disabled. The sum is formed in float32 or wider and written back
+        in place in the base weight's dtype; a non-finite result raises NumericalError and leaves the
+        weight unchanged.
         """
-        if self.merged_adapters:
-            raise RankwiseError(f"{self._where()}: adapters {self.merged_adapters} are already merged; "
-                                "unmerge before merging again")
-        if self.disabled:
-            raise RankwiseError(f"{self._where()}: adapters are disabled; enable them before merging")
-        names = list(self.active_adapters if names is None else names)
-        for n in names:
-            self._require(n)
-        if not names:
-            return []
-        w = self.base_layer.weight
-        dt = torch.promote_types(w.dtype, torch.float32)
-        total = w.detach().to(dt)
-        for n in names:
-            total = total + self.delta_weight(n).to(w.device, dt)
-        if not bool(torch.isfinite(total).all()):
-            raise NumericalError(f"{self._where()}: merging {names} gives non-finite weights")
-        w.data.copy_(total.to(w.dtype))
-        self.merged_adapters = names
-        return names
+        return self._merge(names)
 
-    @torch.no_grad()
-    def unmerge(self) -> list[str]:
-        """Subtract the merged updates from ``base_layer.weight`` (exact up to float rounding)."""
+    def unmerge(self) -> list[str]:  # type: ignore[override]
+        """Subtract the merged updates from ``base_layer.weight`` (exact up to float rounding); returns their names."""
         if not self.merged_adapters:
             raise RankwiseError(f"{self._where()}: nothing is merged")
-        w = self.base_layer.weight
-        dt = torch.promote_types(w.dtype, torch.float32)
-        total = w.detach().to(dt)
-        for n in reversed(self.merged_adapters):
-            total = total - self.delta_weight(n).to(w.device, dt)
-        w.data.copy_(total.to(w.dtype))
-        names, self.merged_adapters = self.merged_adapters, []
-        return names
+        return self._unmerge()
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         result = self.base_layer(x, *args, **kwargs)
@@ -332,27 +237,6 @@ class LoraLinear(nn.Module):
         return (f"in_features={self.in_features}, out_features={self.out_features}, adapters={ranks}, "
                 f"active={self.active_adapters}, merged={self.merged_adapters}, disabled={self.disabled}")
 
-    # -- snapshot / restore (all-or-nothing model operations) ----------------------------------
-    def _snapshot(self) -> dict[str, Any]:
-        return {"A": dict(self.lora_A.items()), "B": dict(self.lora_B.items()),
-                "D": dict(self.lora_dropout.items()), "scaling": dict(self.scaling),
-                "config": copy.deepcopy(self.adapter_config), "active": list(self.active_adapters),
-                "disabled": self.disabled, "merged": list(self.merged_adapters),
-                "flags": {n: p.requires_grad for n, p in self.named_parameters()}}
-
-    def _restore(self, snap: dict[str, Any]) -> None:
-        self.lora_A = nn.ModuleDict(snap["A"])
-        self.lora_B = nn.ModuleDict(snap["B"])
-        self.lora_dropout = nn.ModuleDict(snap["D"])
-        self.scaling = snap["scaling"]
-        self.adapter_config = snap["config"]
-        self.active_adapters = snap["active"]
-        self.disabled = snap["disabled"]
-        self.merged_adapters = snap["merged"]
-        for n, p in self.named_parameters():
-            if n in snap["flags"]:
-                p.requires_grad_(snap["flags"][n])
-
 
 # ------------------------------------------------------------------------------------------------
 # model-level operations
@@ -360,36 +244,21 @@ class LoraLinear(nn.Module):
 
 def lora_layers(model: nn.Module) -> list[tuple[str, LoraLinear]]:
     """``(qualified name, LoraLinear)`` of every LoRA layer of ``model``, in model order."""
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, LoraLinear)]
+    return adapters.adapted_layers(model, LoraLinear)
 
 
 def adapter_names(model: nn.Module) -> list[str]:
     """Names of the adapters present in ``model`` (in order of first appearance)."""
-    out: dict[str, None] = {}
-    for _, layer in lora_layers(model):
-        out.update(dict.fromkeys(layer.adapters))
-    return list(out)
+    return adapters.adapter_names(model, LoraLinear)
 
 
-@contextlib.contextmanager
-def _all_or_nothing(model: nn.Module) -> Iterator[None]:
+def _all_or_nothing(model: nn.Module) -> contextlib.AbstractContextManager[None]:
     """Undo module replacements, requires_grad changes and LoraLinear state changes on error."""
-    snaps = {id(layer): (layer, layer._snapshot()) for _, layer in lora_layers(model)}
-    with transaction(model):
-        try:
-            yield
-        except BaseException:
-            for layer, snap in snaps.values():
-                layer._restore(snap)
-            raise
+    return adapters.all_or_nothing(model, LoraLinear)
 
 
 def _require_adapter(model: nn.Module, name: str) -> list[tuple[str, LoraLinear]]:
-    layers = [(n, m) for n, m in lora_layers(model) if name in m.lora_A]
-    if not layers:
-        have = adapter_names(model)
-        raise KeyError(f"the model has no adapter named {name!r}; it has {have or 'no adapters'}")
-    return layers
+    return adapters.require_adapter(model, name, LoraLinear)
 
 
 def _sync_trainable(model: nn.Module, freeze_base: bool) -> None:
@@ -514,32 +383,17 @@ def set_active(model: nn.Module, names: str | Sequence[str]) -> None:
 
     A layer that lacks some of the names activates those it has.
     """
-    names = [names] if isinstance(names, str) else list(names)
-    have = adapter_names(model)
-    missing = [n for n in names if n not in have]
-    if missing:
-        raise KeyError(f"no adapter named {missing} in the model; it has {have or 'no adapters'}")
-    with _all_or_nothing(model):
-        for _, layer in lora_layers(model):
-            layer.set_active([n for n in names if n in layer.lora_A])
-        _sync_trainable(model, freeze_base=False)
+    adapters.set_active(model, names, LoraLinear, _sync_trainable)
 
 
 def enable_adapters(model: nn.Module) -> None:
     """Turn the active adapters back on (after :func:`disable_adapters`)."""
-    for _, layer in lora_layers(model):
-        layer.set_enabled(True)
+    adapters.enable_adapters(model, LoraLinear)
 
 
 def disable_adapters(model: nn.Module) -> None:
     """Make the model compute the base model's outputs (adapters kept). Refused while merged."""
-    layers = lora_layers(model)
-    merged = [n for n, layer in layers if layer.merged_adapters]
-    if merged:
-        raise RankwiseError(f"adapters are merged into {merged[:3]}{' ...' if len(merged) > 3 else ''}; "
-                            "unmerge before disabling")
-    for _, layer in layers:
-        layer.set_enabled(False)
+    adapters.disable_adapters(model, LoraLinear)
 
 
 def merge_adapters(model: nn.Module) -> list[str]:
@@ -547,46 +401,17 @@ def merge_adapters(model: nn.Module) -> list[str]:
 
     All-or-nothing: refuses when any layer is already merged, and undoes partial merges on error.
     """
-    layers = lora_layers(model)
-    if not layers:
-        raise RankwiseError("the model has no LoRA layers to merge")
-    already = [n for n, layer in layers if layer.merged_adapters]
-    if already:
-        raise RankwiseError(f"adapters are already merged in {already[:3]}{' ...' if len(already) > 3 else ''}; "
-                            "unmerge before merging again")
-    done: list[LoraLinear] = []
-    try:
-        for _, layer in layers:
-            if layer.merge():
-                done.append(layer)
-    except BaseException:
-        for layer in reversed(done):
-            layer.unmerge()
-        raise
-    return [n for n, layer in layers if layer in done]
+    return adapters.merge_all(model, LoraLinear)
 
 
 def unmerge_adapters(model: nn.Module) -> list[str]:
     """Undo :func:`merge_adapters` on every merged layer; returns the layer names."""
-    layers = [(n, layer) for n, layer in lora_layers(model) if layer.merged_adapters]
-    if not layers:
-        raise RankwiseError("no adapter is merged in this model")
-    for _, layer in layers:
-        layer.unmerge()
-    return [n for n, _ in layers]
+    return adapters.unmerge_all(model, LoraLinear)
 
 
 def delete_adapter(model: nn.Module, name: str) -> None:
     """Remove adapter ``name`` from every layer (a layer left without adapters gets its plain Linear back)."""
-    layers = _require_adapter(model, name)
-    merged = [n for n, layer in layers if name in layer.merged_adapters]
-    if merged:
-        raise RankwiseError(f"adapter {name!r} is merged in {merged[:3]}; unmerge before deleting it")
-    with _all_or_nothing(model):
-        for lname, layer in layers:
-            layer.delete_adapter(name)
-            if not layer.adapters:
-                replace_module(model, lname, layer.base_layer)
+    adapters.delete_adapter(model, name, LoraLinear)
 
 
 def unload(model: nn.Module, merge: bool = True) -> nn.Module:
@@ -594,13 +419,7 @@ def unload(model: nn.Module, merge: bool = True) -> nn.Module:
 
     The result is a plain model (no LoRA modules), e.g. to save with ``save_pretrained``.
     """
-    layers = lora_layers(model)
-    with _all_or_nothing(model):
-        if merge and layers and not any(layer.merged_adapters for _, layer in layers):
-            merge_adapters(model)
-        for lname, layer in layers:
-            replace_module(model, lname, layer.base_layer)
-    return model
+    return adapters.unload(model, LoraLinear, merge)
 
 
 # ------------------------------------------------------------------------------------------------
