@@ -58,13 +58,16 @@ SMOKE_RECIPE = {"version": 1, "model": "all-MiniLM-L6-v2", "top_layers": 1,
                 "targets": ["query", "key", "value", "attention.output.dense"], "rank": 8, "alpha": 8.0,
                 "lr": 1e-3, "head_lr": 1e-2, "epochs": 1, "batch_size": 16, "max_length": 16, "max_train": 80,
                 "n_val": 16, "max_test": 32, "head_std": 0.02}
+#: quick mode's three tasks: the three of TASKS with the fewest training examples (168, 208, 230), chosen by
+#: the cost of training their LoRAs on an empty cache (the others have 504 each)
+QUICK_TASKS = ("c_signature", "dunder", "files_vs_formats")
 QUICK_ROWS = ("CtM-TIES", "CtM-TA", "MtC-TIES (PEFT ties_svd)", "MtC-TA (PEFT svd)")
 SETTINGS: dict[str, dict[str, Any]] = {
     # smoke trains its tiny LoRAs in memory (no cache writes) and runs every row once;
     # quick/full use the cached RECIPE LoRAs of rankwise.zoo.task_loras
     "smoke": dict(tasks=("topic", "kind"), recipe=SMOKE_RECIPE, lambdas=(1.0,), topks=(), betas=(), full_rows=True,
                   rows=None),
-    "quick": dict(tasks=("topic", "kind", "private"), recipe=None, lambdas=(0.5, 1.0, 1.5), topks=(), betas=(),
+    "quick": dict(tasks=QUICK_TASKS, recipe=None, lambdas=(0.5, 1.0, 1.5), topks=(), betas=(),
                   full_rows=False, rows=QUICK_ROWS),
     "full": dict(tasks=None, recipe=None, lambdas=LAMBDAS_FULL, topks=(0.1, 0.25, 0.5, 1.0),
                  betas=(0.0, 0.25, 0.5, 0.75), full_rows=True, rows=None),
@@ -78,45 +81,81 @@ MARGIN = {"smoke": -0.5, "quick": -0.5, "full": 1.0}  # points of normalized acc
 # ------------------------------------------------------------------------------------------------
 
 class Evaluator:
-    """Runs the adapted top layers once per split on all tasks' cached inputs and scores each task's head."""
+    """Scores one adapter on every task: the adapted top layers run on all tasks' cached inputs, each task's head.
 
-    def __init__(self, bert: nn.Module, tok: Any, loras: list[Any], datas: list[Any], recipe: dict[str, Any]) -> None:
+    The frozen-prefix outputs of the validation and test texts come from
+    :func:`rankwise.zoo.task_loras.encode_task` (shared with the LoRA training inside
+    :func:`~rankwise.zoo.task_loras.shared_encodings`). An adapter is applied by setting each adapted
+    Linear's weight to ``W_0 + s B A`` (computed in float64), which is the same function as running
+    the LoRA branch beside ``W_0`` but costs no extra matmuls (the untruncated references are rank-384
+    "LoRAs"). Rows are evaluated in chunks of similar token length (little padding); the order does
+    not change any accuracy. ``base_memo`` (optional, shared across seeds) keeps the base encoder's
+    pooled embeddings of a split, which do not depend on the seed when the split's texts do not.
+    """
+
+    CHUNK = 64
+
+    def __init__(self, bert: nn.Module, tok: Any, loras: list[Any], datas: list[Any], recipe: dict[str, Any],
+                 base_memo: dict[Any, torch.Tensor] | None = None) -> None:
         from rankwise.zoo.cached_encoder import FrozenPrefix
         from rankwise.zoo.task_loras import encode_task, top_model
 
         prefix = FrozenPrefix(bert, tok, len(bert.encoder.layer) - recipe["top_layers"], recipe["max_length"])
-        self.splits: dict[str, tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], list[slice]]] = {}
+        self.splits: dict[str, tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor]]] = {}
+        self.keys: dict[str, tuple[Any, ...]] = {}
         for split in ("val", "test"):
-            hs, ms, ys, sl, start = [], [], [], [], 0
+            hs, ms, ys = [], [], []
             for d in datas:
                 h, m, y = encode_task(prefix, getattr(d, split))
                 hs.append(h)
                 ms.append(m)
                 ys.append(y)
-                sl.append(slice(start, start + len(y)))
+            h, m = torch.cat(hs), torch.cat(ms)
+            order = torch.sort(m.sum(1), stable=True).indices  # rows by token length
+            position = torch.empty_like(order)
+            position[order] = torch.arange(len(order))
+            rows, start = [], 0
+            for y in ys:  # where each task's examples sit in the length-sorted order
+                rows.append(position[start:start + len(y)])
                 start += len(y)
-            self.splits[split] = (torch.cat(hs), torch.cat(ms), ys, sl)
+            self.splits[split] = (h[order].contiguous(), m[order].contiguous(), ys, rows)
+            self.keys[split] = (id(bert), recipe["top_layers"], recipe["max_length"],
+                                tuple(tuple(t for t, _ in getattr(d, split)) for d in datas))
         self.heads = [(tl.head["weight"].float(), tl.head["bias"].float()) for tl in loras]
         self.model = top_model(bert, 2, 0, recipe)
         self.model.eval()
-        self.template = loras[0].state
+        self.w0 = {n: mod.weight.detach().clone() for n, mod in self.model.named_modules()
+                   if isinstance(mod, nn.Linear) and n.endswith(tuple(recipe["targets"])) and n.startswith("layers.")}
+        self.base_memo = base_memo if base_memo is not None else {}
         self.evals = 0
+
+    @torch.no_grad()
+    def _set(self, state: AdapterState | None) -> None:
+        if state is not None:
+            unknown = [m for m in state.modules() if m not in self.w0]
+            if unknown:
+                raise ValueError(f"adapter modules {unknown[:3]} are not adapted layers of the evaluator "
+                                 f"(known: {sorted(self.w0)[:4]} ...)")
+        mods = set(state.modules()) if state is not None else set()
+        for name, w0 in self.w0.items():
+            w = w0 if name not in mods else (w0.double() + state.delta_weight(name, torch.float64)).to(w0.dtype)
+            self.model.get_submodule(name).weight.copy_(w)
 
     @torch.no_grad()
     def accuracies(self, state: AdapterState | None, split: str) -> list[float]:
         """Per-task accuracy on ``split`` with ``state`` as the (only) adapter; ``None``: the base encoder."""
-        from rankwise.core.lora import lora_layers, set_state, unload
-        from rankwise.zoo.cached_encoder import pooled_cached
+        from rankwise.zoo.cached_encoder import trim_padding
 
-        if state is None:
-            if lora_layers(self.model):
-                unload(self.model)
-        else:
-            set_state(self.model, state, "default", check_base=False)
-        h, m, ys, sl = self.splits[split]
-        emb = pooled_cached(self.model, h, m)
-        self.evals += 1
-        return [float(((emb[s] @ W.T + b).argmax(-1) == y).double().mean()) for s, (W, b), y in zip(sl, self.heads, ys)]
+        h, m, ys, rows = self.splits[split]
+        emb = self.base_memo.get(self.keys[split]) if state is None else None
+        if emb is None:
+            self._set(state)
+            emb = torch.cat([self.model.pooled(*trim_padding(h[i:i + self.CHUNK], m[i:i + self.CHUNK]))
+                             for i in range(0, h.shape[0], self.CHUNK)])
+            self.evals += 1
+            if state is None:
+                self.base_memo[self.keys[split]] = emb
+        return [float(((emb[r] @ W.T + b).argmax(-1) == y).double().mean()) for r, (W, b), y in zip(rows, self.heads, ys)]
 
 
 def _norm_acc(accs: Sequence[float], ref: Sequence[float]) -> float:
@@ -170,12 +209,11 @@ def _peft_merge(states: list[AdapterState], ctype: str, lam: float, density: flo
 
 
 def _full_rank_state(states: list[AdapterState], rule: str, lam: float, density: float) -> AdapterState:
-    """The untruncated merge (reference), as an exact LoRA of rank min(m, n)."""
+    """The untruncated merge (reference), as an exact full-rank "LoRA": ``B = ΔW`` (m×n), ``A = I_n``."""
     deltas = baselines.merged_deltas(states, baselines.MergeConfig(rule=rule, scale=lam, density=density), rank=None)
     factors = {}
     for m, d in deltas.items():
-        B, A = baselines.truncate(d, min(d.shape))
-        factors[m] = {"lora_A": A.float(), "lora_B": B.float()}
+        factors[m] = {"lora_A": torch.eye(d.shape[1], dtype=d.dtype), "lora_B": d.clone()}
     return AdapterState({"method": f"full-{rule}"}, factors, {m: 1.0 for m in deltas})
 
 
@@ -249,7 +287,8 @@ def _numerical_rank(state: AdapterState) -> int:
 # the run
 # ------------------------------------------------------------------------------------------------
 
-def _run_seed(seed: int, S: dict[str, Any], bert: nn.Module, tok: Any, table: Table, extra: dict[str, Any]) -> None:
+def _run_seed(seed: int, S: dict[str, Any], bert: nn.Module, tok: Any, table: Table, extra: dict[str, Any],
+              base_memo: dict[Any, torch.Tensor]) -> None:
     from rankwise.zoo.task_loras import RECIPE, TASKS, task_data, task_lora
 
     recipe = S["recipe"] or RECIPE
@@ -258,7 +297,7 @@ def _run_seed(seed: int, S: dict[str, Any], bert: nn.Module, tok: Any, table: Ta
     loras = [task_lora(t, seed, recipe=recipe, bert=bert, tokenizer=tok, cache=S["recipe"] is None) for t in tasks]
     t_train = time.perf_counter() - t0
     datas = [task_data(t, seed, recipe) for t in tasks]
-    ev = Evaluator(bert, tok, loras, datas, recipe)
+    ev = Evaluator(bert, tok, loras, datas, recipe, base_memo)
     states = [tl.state for tl in loras]
     indiv_val = [tl.metrics["val_acc"] for tl in loras]
     indiv_test = [tl.metrics["test_acc"] for tl in loras]
@@ -322,7 +361,7 @@ def run(mode: str, seeds: Sequence[int], out_dir: Path) -> ReproResult:
     if not seeds:
         raise ValueError("seeds must not be empty")
     from rankwise import zoo
-    from rankwise.zoo.task_loras import RECIPE, TASKS
+    from rankwise.zoo.task_loras import RECIPE, TASKS, shared_encodings
 
     t0 = time.perf_counter()
     out_dir = Path(out_dir)
@@ -333,8 +372,10 @@ def run(mode: str, seeds: Sequence[int], out_dir: Path) -> ReproResult:
                   notes={"normalized acc": "merged test accuracy / individual LoRA test accuracy, mean over tasks",
                          "max numerical rank": "max over layers of #singular values > 1e-6 sigma_1 of the merged delta"})
     extra: dict[str, Any] = {}
-    for seed in seeds:
-        _run_seed(seed, S, bert, tok, table, extra)
+    base_memo: dict[Any, torch.Tensor] = {}
+    with shared_encodings():  # each text list runs through the frozen prefix once per process
+        for seed in seeds:
+            _run_seed(seed, S, bert, tok, table, extra, base_memo)
 
     per_seed = extra["seeds"]
     gaps = {s: 100 * (table.values("CtM-TIES", "normalized acc")[i] -

@@ -28,6 +28,7 @@ Cost (measured, one thread, top_layers = 2): about 5-15 s of CPU per task LoRA; 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -35,9 +36,10 @@ import os
 import shutil
 import tempfile
 import time
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -48,7 +50,8 @@ from rankwise.core.lora import AdapterState, add_lora, get_state
 from rankwise.zoo.tasks import text_task
 from rankwise.zoo.tinylm import cache_dir
 
-__all__ = ["RECIPE", "TASKS", "TaskData", "TaskLoRA", "encode_task", "task_lora", "task_lora_path", "top_model"]
+__all__ = ["RECIPE", "TASKS", "TaskData", "TaskLoRA", "encode_task", "shared_encodings", "task_lora",
+           "task_lora_path", "top_model"]
 
 logger = logging.getLogger(__name__)
 
@@ -58,15 +61,15 @@ TASKS: tuple[str, ...] = ("topic", "kind", "private", "dunder", "c_signature", "
 TARGETS: tuple[str, ...] = ("query", "key", "value", "attention.output.dense")
 
 RECIPE: dict[str, Any] = {
-    "version": 3,
+    "version": 4,
     "model": "all-MiniLM-L6-v2",
-    "top_layers": 2,
+    "top_layers": 1,
     "targets": list(TARGETS),
     "rank": 8,
     "alpha": 8.0,
     "lr": 3e-3,
     "head_lr": 1e-2,
-    "epochs": 4,
+    "epochs": 3,
     "batch_size": 32,
     "max_length": 32,
     "max_train": 600,
@@ -134,10 +137,58 @@ def top_model(bert: nn.Module, num_labels: int, seed: int, recipe: dict[str, Any
     return TopModel(bert, R["top_layers"], num_labels, seed)
 
 
-def encode_task(prefix: Any, data: Sequence[tuple[str, int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Cached prefix outputs ``hidden (N, L, H)``, ``mask (N, L)`` and ``labels (N,)`` of ``data``."""
-    h, m = prefix.encode([t for t, _ in data])
-    return h, m, torch.tensor([y for _, y in data])
+_MEMO: dict[tuple[Any, ...], tuple[Any, torch.Tensor, torch.Tensor]] | None = None
+
+
+@contextlib.contextmanager
+def shared_encodings() -> Iterator[None]:
+    """Within the block, :func:`encode_task` keeps what it computed and returns it for the same texts again.
+
+    The merge reproduction trains its task LoRAs and then evaluates merged adapters on the same
+    validation and test texts (and the test set of a task is the same for every seed), so each text
+    list is run through the frozen prefix once per process instead of once per use. Entries are keyed
+    by the identity of the prefix's model, its depth and ``max_length`` and the exact list of texts, and
+    are dropped when the block ends (so an in-place change of the model outside the block cannot be
+    served from a stale entry). Re-entrant: an inner block shares the outer block's entries.
+    """
+    global _MEMO
+    outer = _MEMO
+    if outer is None:
+        _MEMO = {}
+    try:
+        yield
+    finally:
+        if outer is None:
+            _MEMO = None
+
+
+def encode_task(prefix: Any, data: Sequence[tuple[str, int]], chunk: int = 64, keep: bool = True
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Cached prefix outputs ``hidden (N, L, H)``, ``mask (N, L)`` and ``labels (N,)`` of ``data``.
+
+    The texts are run through the prefix in chunks of ``chunk`` texts of similar token length (so a
+    chunk carries little padding) and returned in the order of ``data``. Inside
+    :func:`shared_encodings`, an identical text list is encoded only once (``keep=False``: looked up but
+    not kept, for lists that will not be asked for again, such as a seed's training set).
+    """
+    texts = [t for t, _ in data]
+    labels = torch.tensor([y for _, y in data])
+    key = None
+    if _MEMO is not None:
+        digest = hashlib.sha256("\x00".join(texts).encode("utf-8")).hexdigest()
+        key = (id(prefix.bert), prefix.n_frozen, prefix.max_length, len(texts), digest)
+        hit = _MEMO.get(key)
+        if hit is not None and hit[0]() is prefix.bert:
+            return hit[1], hit[2], labels
+    lengths = [len(ids) for ids in prefix.tokenizer(texts, truncation=True, max_length=prefix.max_length)["input_ids"]]
+    order = sorted(range(len(texts)), key=lambda i: (lengths[i], i))
+    h, m = prefix.encode([texts[i] for i in order], chunk=chunk)
+    inverse = torch.empty(len(order), dtype=torch.long)
+    inverse[torch.tensor(order, dtype=torch.long)] = torch.arange(len(order))
+    h, m = h[inverse], m[inverse]
+    if keep and key is not None and _MEMO is not None:
+        _MEMO[key] = (weakref.ref(prefix.bert), h, m)
+    return h, m, labels
 
 
 def _train(task: str, seed: int, R: dict[str, Any], bert: nn.Module, tok: Any) -> tuple[AdapterState, dict, dict]:
@@ -145,7 +196,7 @@ def _train(task: str, seed: int, R: dict[str, Any], bert: nn.Module, tok: Any) -
 
     data = task_data(task, seed, R)
     prefix = FrozenPrefix(bert, tok, len(bert.encoder.layer) - R["top_layers"], R["max_length"])
-    htr, mtr, ytr = encode_task(prefix, data.train)
+    htr, mtr, ytr = encode_task(prefix, data.train, keep=False)
     hva, mva, yva = encode_task(prefix, data.val)
     hte, mte, yte = encode_task(prefix, data.test)
     model = top_model(bert, len(data.labels), seed, R)
