@@ -8,7 +8,7 @@ from torch import nn
 
 from rankwise.core import adapters
 from rankwise.core.adapters import AdapterLayer
-from rankwise.core.errors import NumericalError, RankwiseError
+from rankwise.core.errors import NumericalError, RankwiseError, SelectionError
 
 
 class DeltaLinear(AdapterLayer):
@@ -36,6 +36,9 @@ class DeltaLinear(AdapterLayer):
         d = self.deltas[name].detach()
         return d.to(dtype or torch.promote_types(d.dtype, torch.float32))
 
+    def adapter_parameters(self, name: str) -> list[tuple[nn.Parameter, bool]]:
+        return [(self.deltas[name], not name.startswith("frozen"))]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base_layer(x)
         if self.disabled or self.merged_adapters:
@@ -43,12 +46,6 @@ class DeltaLinear(AdapterLayer):
         for n in self.active_adapters:
             y = y + x @ self.deltas[n].T
         return y
-
-
-def _sync(model: nn.Module, freeze_base: bool) -> None:
-    for _, layer in adapters.adapted_layers(model, DeltaLinear):
-        for n, p in layer.deltas.items():
-            p.requires_grad_(n in layer.active_adapters)
 
 
 def _model(names: tuple[str, ...] = ("a",), seed: int = 0) -> nn.Sequential:
@@ -130,13 +127,13 @@ def test_disable_enable_and_disable_refused_while_merged():
 def test_set_active_unknown_adapter_raises_and_changes_nothing():
     model = _model(("a", "b"))
     with pytest.raises(KeyError, match=r"no test adapter named \['zzz'\].*it has \['a', 'b'\]"):
-        adapters.set_active(model, ["b", "zzz"], DeltaLinear, _sync)
+        adapters.set_active(model, ["b", "zzz"], DeltaLinear)
     assert all(layer.active_adapters == ["a"] for _, layer in adapters.adapted_layers(model, DeltaLinear))
-    adapters.set_active(model, ["b", "a", "b"], DeltaLinear, _sync)
+    adapters.set_active(model, ["b", "a", "b"], DeltaLinear)
     for _, layer in adapters.adapted_layers(model, DeltaLinear):
         assert layer.active_adapters == ["b", "a"]  # repeats dropped: an update is never added twice
         assert layer.deltas["a"].requires_grad and layer.deltas["b"].requires_grad
-    adapters.set_active(model, "b", DeltaLinear, _sync)
+    adapters.set_active(model, "b", DeltaLinear)
     assert not model[0].deltas["a"].requires_grad and model[0].deltas["b"].requires_grad
 
 
@@ -144,7 +141,7 @@ def test_set_active_refused_while_merged_is_rolled_back():
     model = _model(("a", "b"))
     adapters.merge_all(model, DeltaLinear)
     with pytest.raises(RankwiseError, match="merged"):
-        adapters.set_active(model, "b", DeltaLinear, _sync)
+        adapters.set_active(model, "b", DeltaLinear)
     assert all(layer.active_adapters == ["a"] for _, layer in adapters.adapted_layers(model, DeltaLinear))
 
 
@@ -275,3 +272,54 @@ def test_fingerprint_sees_the_base_layer():
         for p in plain.parameters():
             p.copy_(torch.randn(p.shape, generator=g))
     assert io.model_fingerprint(_model()) == io.model_fingerprint(plain)
+
+
+def test_set_active_uses_a_given_sync():
+    model = _model(("a", "b"))
+    calls = []
+    adapters.set_active(model, "b", DeltaLinear, lambda m, freeze_base: calls.append((m, freeze_base)))
+    assert calls == [(model, False)]
+
+
+def test_sync_trainable_active_trainable_others_frozen_shared_if_any():
+    model = _model(("a", "b", "frozen_c"))
+    shared = model[0].deltas["a"]
+    model[2].deltas["shared"] = shared  # one parameter held by two layers' adapters (E²LoRA shares factors)
+    model[2].adapter_config["shared"] = {}
+    for _, layer in adapters.adapted_layers(model, DeltaLinear):
+        layer.active_adapters = ["b", "frozen_c"]
+    model[2].active_adapters = ["shared"]
+    adapters.sync_trainable(model, DeltaLinear, freeze_base=False)
+    assert shared.requires_grad  # inactive in layer 0, active in layer 2
+    assert model[0].deltas["b"].requires_grad and not model[2].deltas["b"].requires_grad
+    assert not model[0].deltas["frozen_c"].requires_grad  # active but not trainable
+    assert model[0].base_layer.weight.requires_grad  # untouched without freeze_base
+    adapters.sync_trainable(model, DeltaLinear, freeze_base=True)
+    assert not any(p.requires_grad for p in model[0].base_layer.parameters())
+    assert shared.requires_grad
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Linear(4, 4)
+        self.v = nn.Linear(4, 4)
+        self.conv = nn.Conv1d(4, 4, 1)
+        self.emb = nn.Embedding(3, 4)
+
+
+def test_target_layers_selection_rules():
+    net = _Net()
+    net.q = DeltaLinear(net.q, "q")
+    # a hit on a wrapper's base layer is the wrapper; wrapper internals never count; model order
+    hits = adapters.target_layers(net, ["v", "q.base_layer", "q"], DeltaLinear)
+    assert [(n, type(m)) for n, m in hits] == [("q", DeltaLinear), ("v", nn.Linear)]
+    assert [n for n, _ in adapters.target_layers(net, nn.Linear, DeltaLinear)] == ["q", "v"]
+    assert [n for n, _ in adapters.target_layers(net, None, DeltaLinear, typed=True)] == ["q", "v"]
+    assert [n for n, _ in adapters.target_layers(net, ["conv", "v"], DeltaLinear)] == ["v"]  # not rejected: skipped
+    is_conv = lambda m: isinstance(m, nn.Conv1d)  # noqa: E731
+    with pytest.raises(NotImplementedError, match=r"Test adapts nn.Linear layers only; .* selects conv \(Conv1d\)"):
+        adapters.target_layers(net, ["conv", "v"], DeltaLinear, rejects=is_conv)
+    assert [n for n, _ in adapters.target_layers(net, "conv", DeltaLinear, accepts=is_conv)] == ["conv"]
+    with pytest.raises(SelectionError, match="matched no Linear layer. Available Linear layers: q, v"):
+        adapters.target_layers(net, "emb", DeltaLinear)

@@ -64,10 +64,10 @@ from torch import nn
 
 from rankwise.core import adapters, io
 from rankwise.core.adapters import AdapterLayer, validate_adapter_name
-from rankwise.core.errors import ArtifactError, NumericalError, RankwiseError, SelectionError
+from rankwise.core.errors import ArtifactError, NumericalError, RankwiseError
 from rankwise.core.linalg import kron_rearrange
 from rankwise.core.registry import register
-from rankwise.core.select import Selector, available_names, select
+from rankwise.core.select import Selector
 from rankwise.core.surgery import replace_module
 
 __all__ = [
@@ -553,6 +553,10 @@ class CDKALinear(AdapterLayer):
             d = d - kron_delta(c.B0.to(dt), c.A0.to(dt))
         return d * self.scaling[name]
 
+    def adapter_parameters(self, name: str) -> list[tuple[nn.Parameter, bool]]:
+        c = self.cdka[name]
+        return [(c.A, True), (c.B, True)]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         result = self.base_layer(x)
         if self.disabled or self.merged_adapters:
@@ -591,45 +595,13 @@ def _all_or_nothing(model: nn.Module) -> contextlib.AbstractContextManager[None]
 
 def _sync_trainable(model: nn.Module, freeze_base: bool) -> None:
     """Active adapters' factors trainable, inactive ones frozen; every other parameter frozen if ``freeze_base``."""
-    own: set[int] = set()
-    for _, layer in cdka_layers(model):
-        for name in layer.adapters:
-            on = name in layer.active_adapters
-            for p in (layer.cdka[name].A, layer.cdka[name].B):
-                p.requires_grad_(on)
-                own.add(id(p))
-    if freeze_base:
-        for p in model.parameters():
-            if id(p) not in own:
-                p.requires_grad_(False)
+    adapters.sync_trainable(model, CDKALinear, freeze_base)
 
 
 def _target_layers(model: nn.Module, target: Selector) -> list[tuple[str, nn.Module]]:
     """Linear layers (or CDKALinear wrappers) that ``target`` selects; Conv/Embedding -> NotImplementedError."""
-    wrappers = {n for n, _ in cdka_layers(model)}
-    hits = select(model, target, allow_empty=True)
-    out: dict[str, nn.Module] = {}
-    unsupported: list[str] = []
-    for n, m in hits:
-        owner = next((w for w in wrappers if n.startswith(w + ".")), None)
-        if owner is not None:
-            if n == owner + ".base_layer":
-                out.setdefault(owner, model.get_submodule(owner))
-            continue
-        if isinstance(m, (nn.Linear, CDKALinear)):
-            out.setdefault(n, m)
-        elif isinstance(m, _UNSUPPORTED) or type(m).__name__ == "Conv1D":
-            unsupported.append(f"{n} ({type(m).__name__})")
-    if unsupported:
-        raise NotImplementedError(f"CDKA adapts nn.Linear layers only; target {target!r} selects "
-                                  f"{', '.join(unsupported[:5])}{' ...' if len(unsupported) > 5 else ''}")
-    if not out:
-        names = [n for n in available_names(model, (nn.Linear, CDKALinear))
-                 if not any(n.startswith(w + ".") for w in wrappers)]
-        shown = ", ".join(names[:40]) + (f", ... ({len(names)} in all)" if len(names) > 40 else "")
-        raise SelectionError(f"target {target!r} matched no Linear layer. Available Linear layers: {shown or 'none'}")
-    order = {n: i for i, (n, _) in enumerate(model.named_modules())}
-    return sorted(out.items(), key=lambda kv: order[kv[0]])
+    return adapters.target_layers(model, target, CDKALinear,
+                                  rejects=lambda m: isinstance(m, _UNSUPPORTED) or type(m).__name__ == "Conv1D")
 
 
 def _base_of(mod: nn.Module) -> nn.Linear:
@@ -844,7 +816,7 @@ def _require_adapter(model: nn.Module, name: str) -> list[tuple[str, CDKALinear]
 
 def set_active(model: nn.Module, names: str | Sequence[str]) -> None:
     """Make ``names`` the active (trainable) adapter(s) of every CDKA layer; others inactive (frozen)."""
-    adapters.set_active(model, names, CDKALinear, _sync_trainable)
+    adapters.set_active(model, names, CDKALinear)
 
 
 def enable_adapters(model: nn.Module) -> None:

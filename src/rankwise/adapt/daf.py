@@ -64,7 +64,7 @@ from rankwise.core import adapters, io
 from rankwise.core.adapters import AdapterLayer, validate_adapter_name
 from rankwise.core.errors import ArtifactError, NumericalError, RankwiseError, SelectionError
 from rankwise.core.registry import register
-from rankwise.core.select import Selector, available_names, select
+from rankwise.core.select import Selector
 from rankwise.core.surgery import replace_module
 
 __all__ = [
@@ -408,6 +408,13 @@ class DAFLinear(AdapterLayer):
         """The active adapters that have a unit (candidates without one contribute nothing)."""
         return [n for n in self.active_adapters if n in self.daf]
 
+    def adapter_parameters(self, name: str) -> list[tuple[nn.Parameter, bool]]:
+        """The unit's ``A``, ``B`` (none for a candidate), trainable only in the "training" role."""
+        if name not in self.daf:
+            return []
+        u, training = self.daf[name], self.role[name] == "training"
+        return [(u.A, training), (u.B, training)]
+
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         result = self.base_layer(x, *args, **kwargs)
         if self.disabled or self.merged_adapters:
@@ -451,37 +458,12 @@ def _all_or_nothing(model: nn.Module) -> contextlib.AbstractContextManager[None]
 def _sync_trainable(model: nn.Module, freeze_base: bool) -> None:
     """Units of active adapters whose role is "training" are trainable; every other unit is frozen;
     every non-DAF parameter is frozen when ``freeze_base``."""
-    own: set[int] = set()
-    for _, layer in daf_layers(model):
-        for name, unit in layer.daf.items():
-            on = name in layer.active_adapters and layer.role[name] == "training"
-            for p in (unit.A, unit.B):
-                p.requires_grad_(on)
-                own.add(id(p))
-    if freeze_base:
-        for p in model.parameters():
-            if id(p) not in own:
-                p.requires_grad_(False)
+    adapters.sync_trainable(model, DAFLinear, freeze_base)
 
 
 def _target_layers(model: nn.Module, target: Selector) -> list[tuple[str, nn.Module]]:
     """Linear layers (or DAF wrappers) that ``target`` selects, never a wrapper's internals."""
-    hits = select(model, target, types=(nn.Linear, DAFLinear), allow_empty=True)
-    wrappers = {n for n, _ in daf_layers(model)}
-    out: dict[str, nn.Module] = {}
-    for n, m in hits:
-        owner = next((w for w in wrappers if n.startswith(w + ".")), None)
-        if owner is None:
-            out.setdefault(n, m)
-        elif n == owner + ".base_layer":
-            out.setdefault(owner, model.get_submodule(owner))
-    if not out:
-        names = [n for n in available_names(model, (nn.Linear, DAFLinear))
-                 if not any(n.startswith(w + ".") for w in wrappers)]
-        shown = ", ".join(names[:40]) + (f", ... ({len(names)} in all)" if len(names) > 40 else "")
-        raise SelectionError(f"target {target!r} matched no Linear layer. Available Linear layers: {shown or 'none'}")
-    order = {n: i for i, (n, _) in enumerate(model.named_modules())}
-    return sorted(out.items(), key=lambda kv: order[kv[0]])
+    return adapters.target_layers(model, target, DAFLinear, typed=True)
 
 
 def _base_of(mod: nn.Module) -> nn.Linear:
@@ -1042,7 +1024,7 @@ def report(model: nn.Module, name: str = "default") -> list[dict[str, Any]]:
 
 def set_active(model: nn.Module, names: str | Sequence[str]) -> None:
     """Make ``names`` the active adapter(s) of every DAF layer; their training units become trainable."""
-    adapters.set_active(model, names, DAFLinear, _sync_trainable)
+    adapters.set_active(model, names, DAFLinear)
 
 
 def enable_adapters(model: nn.Module) -> None:

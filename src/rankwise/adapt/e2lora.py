@@ -55,9 +55,9 @@ from torch import nn
 
 from rankwise.core import adapters, io
 from rankwise.core.adapters import AdapterLayer, validate_adapter_name
-from rankwise.core.errors import ArtifactError, NumericalError, RankwiseError, SelectionError
+from rankwise.core.errors import ArtifactError, NumericalError, RankwiseError
 from rankwise.core.registry import register
-from rankwise.core.select import Selector, available_names, select
+from rankwise.core.select import Selector
 from rankwise.core.surgery import replace_module
 
 __all__ = [
@@ -570,6 +570,9 @@ class E2LoRALinear(AdapterLayer):
         with torch.no_grad():
             return (B.to(dt) @ A.to(dt)) * self.scaling[name]
 
+    def adapter_parameters(self, name: str) -> list[tuple[nn.Parameter, bool]]:
+        return [(self.e2lora_A[name].weight, True), (self.e2lora_B[name].weight, True)]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         result = self.base_layer(x)
         if self.disabled or self.merged_adapters:
@@ -603,25 +606,10 @@ def _all_or_nothing(model: nn.Module) -> contextlib.AbstractContextManager[None]
     return adapters.all_or_nothing(model, E2LoRALinear)
 
 
-def _adapter_params(layer: E2LoRALinear, name: str) -> list[nn.Parameter]:
-    return [layer.e2lora_A[name].weight, layer.e2lora_B[name].weight]
-
-
 def _sync_trainable(model: nn.Module, freeze_base: bool) -> None:
-    on: set[int] = set()
-    own: dict[int, nn.Parameter] = {}
-    for _, layer in e2lora_layers(model):
-        for name in layer.adapters:
-            for p in _adapter_params(layer, name):
-                own[id(p)] = p
-                if name in layer.active_adapters:
-                    on.add(id(p))
-    for i, p in own.items():
-        p.requires_grad_(i in on)
-    if freeze_base:
-        for p in model.parameters():
-            if id(p) not in own:
-                p.requires_grad_(False)
+    """Active adapters' factors trainable (a shared factor if any of its layers' adapters is active), the others frozen;
+    every other parameter frozen if ``freeze_base``."""
+    adapters.sync_trainable(model, E2LoRALinear, freeze_base)
 
 
 def _base_of(mod: nn.Module) -> nn.Linear:
@@ -629,29 +617,9 @@ def _base_of(mod: nn.Module) -> nn.Linear:
 
 
 def _target_layers(model: nn.Module, target: Selector) -> list[tuple[str, nn.Module]]:
-    wrappers = {n for n, _ in e2lora_layers(model)}
-    out: dict[str, nn.Module] = {}
-    unsupported: list[str] = []
-    for n, m in select(model, target, allow_empty=True):
-        owner = next((w for w in wrappers if n.startswith(w + ".")), None)
-        if owner is not None:
-            if n == owner + ".base_layer":
-                out.setdefault(owner, model.get_submodule(owner))
-            continue
-        if isinstance(m, (nn.Linear, E2LoRALinear)):
-            out.setdefault(n, m)
-        elif isinstance(m, (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding)) or type(m).__name__ == "Conv1D":
-            unsupported.append(f"{n} ({type(m).__name__})")
-    if unsupported:
-        raise NotImplementedError(f"E²LoRA adapts nn.Linear layers only; target {target!r} selects "
-                                  f"{', '.join(unsupported[:5])}")
-    if not out:
-        names = [n for n in available_names(model, (nn.Linear, E2LoRALinear))
-                 if not any(n.startswith(w + ".") for w in wrappers)]
-        shown = ", ".join(names[:40]) + (f", ... ({len(names)} in all)" if len(names) > 40 else "")
-        raise SelectionError(f"target {target!r} matched no Linear layer. Available Linear layers: {shown or 'none'}")
-    order = {n: i for i, (n, _) in enumerate(model.named_modules())}
-    return sorted(out.items(), key=lambda kv: order[kv[0]])
+    conv_or_embedding = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding)
+    return adapters.target_layers(model, target, E2LoRALinear,
+                                  rejects=lambda m: isinstance(m, conv_or_embedding) or type(m).__name__ == "Conv1D")
 
 
 def group_layers(names: Sequence[str], depth_regex: str | None = DEFAULT_DEPTH_REGEX
@@ -1043,7 +1011,7 @@ def trainable_parameters(model: nn.Module, name: str = "default") -> int:
     """Distinct adapter parameters of adapter ``name`` (shared factors counted once)."""
     seen: dict[int, int] = {}
     for _, layer in _require_adapter(model, name):
-        for p in _adapter_params(layer, name):
+        for p, _ in layer.adapter_parameters(name):
             seen[id(p)] = p.numel()
     return sum(seen.values())
 
@@ -1058,7 +1026,7 @@ def _require_adapter(model: nn.Module, name: str) -> list[tuple[str, E2LoRALinea
 
 def set_active(model: nn.Module, names: str | Sequence[str]) -> None:
     """Make ``names`` the active (trainable) adapter(s) of every E²LoRA layer; others inactive (frozen)."""
-    adapters.set_active(model, names, E2LoRALinear, _sync_trainable)
+    adapters.set_active(model, names, E2LoRALinear)
 
 
 def enable_adapters(model: nn.Module) -> None:

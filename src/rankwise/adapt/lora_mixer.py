@@ -50,10 +50,10 @@ from torch import nn
 
 from rankwise.core import adapters, io
 from rankwise.core.adapters import AdapterLayer, validate_adapter_name
-from rankwise.core.errors import ArtifactError, NumericalError, RankwiseError, SelectionError
+from rankwise.core.errors import ArtifactError, NumericalError, RankwiseError
 from rankwise.core.lora import AdapterState
 from rankwise.core.registry import register
-from rankwise.core.select import Selector, select
+from rankwise.core.select import Selector
 from rankwise.core.surgery import replace_module
 
 __all__ = [
@@ -420,24 +420,7 @@ def _sync_trainable(model: nn.Module, freeze_base: bool, stage: str = "all") -> 
 
 
 def _target_layers(model: nn.Module, target: Selector) -> list[tuple[str, nn.Module]]:
-    wrappers = {n for n, _ in mixer_layers(model)}
-    out: dict[str, nn.Module] = {}
-    for n, m in select(model, target, allow_empty=True):
-        owner = next((w for w in wrappers if n.startswith(w + ".")), None)
-        if owner is not None:
-            if n == owner + ".base_layer":
-                out.setdefault(owner, model.get_submodule(owner))
-            continue
-        if isinstance(m, (nn.Linear, LoRAMixerLinear)):
-            out.setdefault(n, m)
-    if not out:
-        names = [n for n, m in model.named_modules() if isinstance(m, (nn.Linear, LoRAMixerLinear))
-                 and not any(n.startswith(w + ".") for w in wrappers)]
-        shown = ", ".join(names[:40]) + (f", ... ({len(names)} in all)" if len(names) > 40 else "")
-        raise SelectionError(f"LoRA-Mixer: target {target!r} matched no Linear layer. Available Linear layers: "
-                             f"{shown or 'none'}")
-    order = {n: i for i, (n, _) in enumerate(model.named_modules())}
-    return sorted(out.items(), key=lambda kv: order[kv[0]])
+    return adapters.target_layers(model, target, LoRAMixerLinear)
 
 
 def _base(m: nn.Module) -> nn.Linear:

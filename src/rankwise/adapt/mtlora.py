@@ -424,6 +424,9 @@ class MtLoRALinear(AdapterLayer):
             result = result + self.mtlora[name](u).to(result.dtype)
         return result
 
+    def adapter_parameters(self, name: str) -> list[tuple[nn.Parameter, bool]]:
+        return [(p, True) for p in self.mtlora[name].parameters()]
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, adapters={self.adapters}, "
                 f"active={self.active_adapters}, sinks={len(self._sinks)}, disabled={self.disabled}")
@@ -456,17 +459,8 @@ def _all_or_nothing(model: nn.Module) -> contextlib.AbstractContextManager[None]
 
 
 def _sync_trainable(model: nn.Module, freeze_base: bool) -> None:
-    own: set[int] = set()
-    for _, layer in mtlora_layers(model):
-        for name, ad in layer.mtlora.items():
-            on = name in layer.active_adapters
-            for p in ad.parameters():
-                p.requires_grad_(on)
-                own.add(id(p))
-    if freeze_base:
-        for p in model.parameters():
-            if id(p) not in own:
-                p.requires_grad_(False)
+    """Active adapters' parameters trainable, inactive ones frozen; every other parameter frozen if ``freeze_base``."""
+    adapters.sync_trainable(model, MtLoRALinear, freeze_base)
 
 
 def _linear_at(model: nn.Module, name: str) -> nn.Module | None:
@@ -624,7 +618,7 @@ def _require_adapter(model: nn.Module, name: str) -> list[tuple[str, MtLoRALinea
 
 def set_active(model: nn.Module, names: str | Sequence[str]) -> None:
     """Make ``names`` the active (trainable) adapter(s) of every mtLoRA layer; the others inactive (frozen)."""
-    adapters.set_active(model, names, MtLoRALinear, _sync_trainable)
+    adapters.set_active(model, names, MtLoRALinear)
 
 
 def enable_adapters(model: nn.Module) -> None:

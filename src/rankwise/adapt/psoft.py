@@ -58,9 +58,9 @@ from torch import nn
 
 from rankwise.core import adapters, io
 from rankwise.core.adapters import AdapterLayer, validate_adapter_name
-from rankwise.core.errors import ArtifactError, NumericalError, RankwiseError, SelectionError
+from rankwise.core.errors import ArtifactError, NumericalError, RankwiseError
 from rankwise.core.registry import register
-from rankwise.core.select import Selector, available_names, select
+from rankwise.core.select import Selector
 from rankwise.core.surgery import replace_module
 
 __all__ = [
@@ -417,6 +417,9 @@ class PSOFTLinear(AdapterLayer):
             D = M - torch.eye(c.r, dtype=dt, device=M.device)
             return c.B.to(dt) @ D @ c.A.to(dt)
 
+    def adapter_parameters(self, name: str) -> list[tuple[nn.Parameter, bool]]:
+        return [(p, True) for p in self.psoft[name].trainable()]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         result = self.base_layer(x)
         if self.disabled or self.merged_adapters:
@@ -452,17 +455,8 @@ def _all_or_nothing(model: nn.Module) -> contextlib.AbstractContextManager[None]
 
 
 def _sync_trainable(model: nn.Module, freeze_base: bool) -> None:
-    own: set[int] = set()
-    for _, layer in psoft_layers(model):
-        for name in layer.adapters:
-            on = name in layer.active_adapters
-            for p in layer.psoft[name].trainable():
-                p.requires_grad_(on)
-                own.add(id(p))
-    if freeze_base:
-        for p in model.parameters():
-            if id(p) not in own:
-                p.requires_grad_(False)
+    """Active adapters' core parameters trainable, inactive ones frozen; the rest frozen if ``freeze_base``."""
+    adapters.sync_trainable(model, PSOFTLinear, freeze_base)
 
 
 def _base_of(mod: nn.Module) -> nn.Module:
@@ -482,29 +476,10 @@ def _dense(mod: nn.Module) -> torch.Tensor:
 
 
 def _target_layers(model: nn.Module, target: Selector) -> list[tuple[str, nn.Module]]:
-    wrappers = {n for n, _ in psoft_layers(model)}
-    out: dict[str, nn.Module] = {}
-    unsupported: list[str] = []
-    for n, m in select(model, target, allow_empty=True):
-        owner = next((w for w in wrappers if n.startswith(w + ".")), None)
-        if owner is not None:
-            if n == owner + ".base_layer":
-                out.setdefault(owner, model.get_submodule(owner))
-            continue
-        if isinstance(m, (nn.Linear, PSOFTLinear)) or _is_conv1d(m):
-            out.setdefault(n, m)
-        elif isinstance(m, _UNSUPPORTED):
-            unsupported.append(f"{n} ({type(m).__name__})")
-    if unsupported:
-        raise NotImplementedError(f"PSOFT adapts linear layers (nn.Linear, transformers Conv1D) only; target "
-                                  f"{target!r} selects {', '.join(unsupported[:5])}")
-    if not out:
-        names = [n for n in available_names(model, (nn.Linear, PSOFTLinear))
-                 if not any(n.startswith(w + ".") for w in wrappers)]
-        shown = ", ".join(names[:40]) + (f", ... ({len(names)} in all)" if len(names) > 40 else "")
-        raise SelectionError(f"target {target!r} matched no Linear layer. Available Linear layers: {shown or 'none'}")
-    order = {n: i for i, (n, _) in enumerate(model.named_modules())}
-    return sorted(out.items(), key=lambda kv: order[kv[0]])
+    return adapters.target_layers(model, target, PSOFTLinear,
+                                  accepts=lambda m: isinstance(m, nn.Linear) or _is_conv1d(m),
+                                  rejects=lambda m: isinstance(m, _UNSUPPORTED),
+                                  supported="linear layers (nn.Linear, transformers Conv1D)")
 
 
 def adapt(model: nn.Module, config: PSOFTConfig | None = None, target: Selector = None,
@@ -593,7 +568,7 @@ def orthogonality_report(model: nn.Module, name: str | None = None) -> list[dict
 
 def set_active(model: nn.Module, names: str | Sequence[str]) -> None:
     """Make ``names`` the active (trainable) adapter(s) of every PSOFT layer; others inactive (frozen)."""
-    adapters.set_active(model, names, PSOFTLinear, _sync_trainable)
+    adapters.set_active(model, names, PSOFTLinear)
 
 
 def enable_adapters(model: nn.Module) -> None:

@@ -6,14 +6,16 @@ Each adapter method wraps the layers it adapts in a layer class of its own that 
 * :class:`AdapterLayer`, the base class of those layer classes: the wrapped ``base_layer``, the adapter
   bookkeeping (``adapter_config``, ``active_adapters``, ``disabled``, ``merged_adapters``), selecting,
   enabling, deleting, merging into / unmerging from the base weight, and the snapshot / restore that
-  makes model-level operations all-or-nothing. A family declares where its adapters live with three
-  class attributes (:attr:`AdapterLayer.adapter_store`, :attr:`AdapterLayer.adapter_fields`, labels)
-  and supplies ``delta_weight(name, dtype)`` (the dense update ``ΔW (out, in)``) if it can be merged.
+  makes model-level operations all-or-nothing. A family declares where its adapters live with class
+  attributes (:attr:`AdapterLayer.adapter_store`, :attr:`AdapterLayer.adapter_fields`, labels), lists
+  each adapter's parameters (``adapter_parameters(name)``) and supplies ``delta_weight(name, dtype)``
+  (the dense update ``ΔW (out, in)``) if it can be merged.
 * model-level functions parametrised by the layer class: :func:`adapted_layers`,
-  :func:`adapter_names`, :func:`all_or_nothing`, :func:`require_adapter`, :func:`set_active`,
-  :func:`enable_adapters`, :func:`disable_adapters`, :func:`merge_all`, :func:`unmerge_all`,
-  :func:`delete_adapter` and :func:`unload`; and :func:`validate_adapter_name`. Each adapter module exposes thin wrappers of these under
-  its own public names.
+  :func:`adapter_names`, :func:`all_or_nothing`, :func:`require_adapter`, :func:`target_layers`,
+  :func:`sync_trainable`, :func:`set_active`, :func:`enable_adapters`, :func:`disable_adapters`,
+  :func:`merge_all`, :func:`unmerge_all`, :func:`delete_adapter` and :func:`unload`; and
+  :func:`validate_adapter_name`. Each adapter module exposes thin wrappers of these under its own
+  public names.
 
 Merging is all-or-nothing across layers: if one layer cannot merge (non-finite result, ...), the layers
 merged before it are unmerged again before the error propagates. Within a layer the merged weight is
@@ -32,7 +34,8 @@ import torch
 from torch import nn
 
 from rankwise.core import io
-from rankwise.core.errors import NumericalError, RankwiseError
+from rankwise.core.errors import NumericalError, RankwiseError, SelectionError
+from rankwise.core.select import Selector, available_names, select
 from rankwise.core.surgery import replace_module, transaction
 
 __all__ = [
@@ -46,6 +49,8 @@ __all__ = [
     "merge_all",
     "require_adapter",
     "set_active",
+    "sync_trainable",
+    "target_layers",
     "unload",
     "unmerge_all",
     "validate_adapter_name",
@@ -172,6 +177,10 @@ class AdapterLayer(nn.Module):
     def delta_weight(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         raise NotImplementedError(f"{type(self).__name__} does not define delta_weight")
 
+    def adapter_parameters(self, name: str) -> list[tuple[nn.Parameter, bool]]:
+        """The parameters of adapter ``name``, each with whether it trains while the adapter is active."""
+        raise NotImplementedError(f"{type(self).__name__} does not define adapter_parameters")
+
     def _merge(self, names: Sequence[str] | None = None) -> list[str]:
         """Add the updates of ``names`` (default :meth:`mergeable_adapters`) into the base weight.
 
@@ -294,6 +303,66 @@ def all_or_nothing(model: nn.Module, cls: type[AdapterLayer]) -> Iterator[None]:
             raise
 
 
+def sync_trainable(model: nn.Module, cls: type[AdapterLayer], freeze_base: bool) -> None:
+    """Set ``requires_grad`` of every adapter parameter of the ``cls`` layers: on for the trainable
+    parameters (:meth:`AdapterLayer.adapter_parameters`) of active adapters, off for the rest (a parameter
+    shared by several layers trains if any of them trains it). With ``freeze_base`` every other parameter
+    of ``model`` is frozen; without, the others keep their flags."""
+    own: dict[int, nn.Parameter] = {}
+    on: set[int] = set()
+    for _, layer in adapted_layers(model, cls):
+        for name in layer.adapters:
+            active = name in layer.active_adapters
+            for p, trainable in layer.adapter_parameters(name):
+                own[id(p)] = p
+                if active and trainable:
+                    on.add(id(p))
+    for i, p in own.items():
+        p.requires_grad_(i in on)
+    if freeze_base:
+        for p in model.parameters():
+            if id(p) not in own:
+                p.requires_grad_(False)
+
+
+def target_layers(model: nn.Module, target: Selector, cls: type[AdapterLayer], *, typed: bool = False,
+                  accepts: Callable[[nn.Module], bool] | None = None,
+                  rejects: Callable[[nn.Module], bool] | None = None,
+                  supported: str = "nn.Linear layers") -> list[tuple[str, nn.Module]]:
+    """The layers ``target`` selects for adaptation, in model order: ``(name, module)``.
+
+    A module counts if ``accepts(module)`` (default: it is an ``nn.Linear``) or it is a ``cls`` wrapper
+    already (a hit on a wrapper's ``base_layer`` counts as the wrapper; other wrapper internals never
+    count). ``typed`` restricts the selection itself to ``nn.Linear``/``cls`` modules (so ``target=None``
+    means every Linear layer, see :func:`rankwise.core.select.select`). Selected modules that
+    ``rejects`` raise ``NotImplementedError`` (``"<family> adapts <supported> only"``); an empty result
+    raises :class:`SelectionError` listing the Linear layers there are.
+    """
+    accepts = accepts or (lambda m: isinstance(m, nn.Linear))
+    wrappers = {n for n, _ in adapted_layers(model, cls)}
+    out: dict[str, nn.Module] = {}
+    unsupported: list[str] = []
+    for n, m in select(model, target, types=(nn.Linear, cls) if typed else None, allow_empty=True):
+        owner = next((w for w in wrappers if n.startswith(w + ".")), None)
+        if owner is not None:
+            if n == owner + ".base_layer":
+                out.setdefault(owner, model.get_submodule(owner))
+        elif isinstance(m, cls) or accepts(m):
+            out.setdefault(n, m)
+        elif rejects is not None and rejects(m):
+            unsupported.append(f"{n} ({type(m).__name__})")
+    if unsupported:
+        raise NotImplementedError(f"{cls.family} adapts {supported} only; target {target!r} selects "
+                                  f"{', '.join(unsupported[:5])}{' ...' if len(unsupported) > 5 else ''}")
+    if not out:
+        names = [n for n in available_names(model, (nn.Linear, cls))
+                 if not any(n.startswith(w + ".") for w in wrappers)]
+        shown = ", ".join(names[:40]) + (f", ... ({len(names)} in all)" if len(names) > 40 else "")
+        raise SelectionError(f"target {target!r} matched no Linear layer. Available Linear layers: {shown or 'none'}")
+    order = {n: i for i, (n, _) in enumerate(model.named_modules())}
+    return sorted(out.items(), key=lambda kv: order[kv[0]])
+
+
 def require_adapter(model: nn.Module, name: str, cls: type[L]) -> list[tuple[str, L]]:
     """The ``cls`` layers holding adapter ``name``; ``KeyError`` (listing the adapters there are) if none."""
     layers = [(n, m) for n, m in adapted_layers(model, cls) if name in m.adapters]
@@ -304,11 +373,12 @@ def require_adapter(model: nn.Module, name: str, cls: type[L]) -> list[tuple[str
 
 
 def set_active(model: nn.Module, names: str | Sequence[str], cls: type[AdapterLayer],
-               sync_trainable: Callable[..., None] | None = None) -> None:
+               sync: Callable[..., None] | None = None) -> None:
     """Make ``names`` the active adapter(s) of every ``cls`` layer (a layer activates those it has).
 
-    Unknown names raise ``KeyError`` before anything changes; ``sync_trainable(model, freeze_base=False)``
-    then updates the trainable flags (active adapters trainable, the others frozen). All-or-nothing.
+    Unknown names raise ``KeyError`` before anything changes; then the trainable flags follow (active
+    adapters trainable, the others frozen, other parameters untouched): :func:`sync_trainable`, or
+    ``sync(model, freeze_base=False)`` when given. All-or-nothing.
     """
     names = [names] if isinstance(names, str) else list(names)
     have = adapter_names(model, cls)
@@ -318,8 +388,10 @@ def set_active(model: nn.Module, names: str | Sequence[str], cls: type[AdapterLa
     with all_or_nothing(model, cls):
         for _, layer in adapted_layers(model, cls):
             layer.set_active([n for n in names if n in layer.adapters])
-        if sync_trainable is not None:
-            sync_trainable(model, freeze_base=False)
+        if sync is not None:
+            sync(model, freeze_base=False)
+        else:
+            sync_trainable(model, cls, freeze_base=False)
 
 
 def enable_adapters(model: nn.Module, cls: type[AdapterLayer]) -> None:

@@ -38,8 +38,8 @@ from torch import nn
 
 from rankwise.core import adapters, io
 from rankwise.core.adapters import AdapterLayer, validate_adapter_name
-from rankwise.core.errors import ArtifactError, RankwiseError, SelectionError
-from rankwise.core.select import Selector, available_names, select
+from rankwise.core.errors import ArtifactError, RankwiseError
+from rankwise.core.select import Selector
 from rankwise.core.surgery import replace_module
 
 __all__ = [
@@ -219,6 +219,9 @@ class LoraLinear(AdapterLayer):
             raise RankwiseError(f"{self._where()}: nothing is merged")
         return self._unmerge()
 
+    def adapter_parameters(self, name: str) -> list[tuple[nn.Parameter, bool]]:
+        return [(self.lora_A[name].weight, True), (self.lora_B[name].weight, True)]
+
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         result = self.base_layer(x, *args, **kwargs)
         if self.disabled:
@@ -263,17 +266,7 @@ def _require_adapter(model: nn.Module, name: str) -> list[tuple[str, LoraLinear]
 
 def _sync_trainable(model: nn.Module, freeze_base: bool) -> None:
     """Active adapters' factors trainable, inactive ones frozen; the base frozen when ``freeze_base``."""
-    lora_ids: set[int] = set()
-    for _, layer in lora_layers(model):
-        for name in layer.adapters:
-            on = name in layer.active_adapters
-            for p in (layer.lora_A[name].weight, layer.lora_B[name].weight):
-                p.requires_grad_(on)
-                lora_ids.add(id(p))
-    if freeze_base:
-        for p in model.parameters():
-            if id(p) not in lora_ids:
-                p.requires_grad_(False)
+    adapters.sync_trainable(model, LoraLinear, freeze_base)
 
 
 def _resolve(value: Any, name: str, module: nn.Module, what: str) -> Any:
@@ -288,22 +281,7 @@ def _resolve(value: Any, name: str, module: nn.Module, what: str) -> Any:
 
 def _target_layers(model: nn.Module, target: Selector) -> list[tuple[str, nn.Module]]:
     """Linear layers (or existing LoraLinear wrappers) that ``target`` selects, never LoRA internals."""
-    hits = select(model, target, types=(nn.Linear, LoraLinear), allow_empty=True)
-    wrappers = {n for n, _ in lora_layers(model)}
-    out: dict[str, nn.Module] = {}
-    for n, m in hits:
-        owner = next((w for w in wrappers if n.startswith(w + ".")), None)
-        if owner is None:
-            out.setdefault(n, m)
-        elif n == owner + ".base_layer":
-            out.setdefault(owner, model.get_submodule(owner))
-    if not out:
-        names = [n for n in available_names(model, (nn.Linear, LoraLinear))
-                 if not any(n.startswith(w + ".") for w in wrappers)]
-        shown = ", ".join(names[:40]) + (f", ... ({len(names)} in all)" if len(names) > 40 else "")
-        raise SelectionError(f"target {target!r} matched no Linear layer. Available Linear layers: {shown or 'none'}")
-    order = {n: i for i, (n, _) in enumerate(model.named_modules())}
-    return sorted(out.items(), key=lambda kv: order[kv[0]])
+    return adapters.target_layers(model, target, LoraLinear, typed=True)
 
 
 def add_lora(
@@ -383,7 +361,7 @@ def set_active(model: nn.Module, names: str | Sequence[str]) -> None:
 
     A layer that lacks some of the names activates those it has.
     """
-    adapters.set_active(model, names, LoraLinear, _sync_trainable)
+    adapters.set_active(model, names, LoraLinear)
 
 
 def enable_adapters(model: nn.Module) -> None:
