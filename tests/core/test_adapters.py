@@ -323,3 +323,15 @@ def test_target_layers_selection_rules():
     assert [n for n, _ in adapters.target_layers(net, "conv", DeltaLinear, accepts=is_conv)] == ["conv"]
     with pytest.raises(SelectionError, match="matched no Linear layer. Available Linear layers: q, v"):
         adapters.target_layers(net, "emb", DeltaLinear)
+
+
+def test_merge_refuses_a_sum_that_overflows_the_weight_dtype():
+    base = nn.Linear(2, 2).to(torch.float16)
+    with torch.no_grad():
+        base.weight.fill_(60000.0)  # float16 max is 65504
+    layer = DeltaLinear(base, "half")
+    layer.add("a", torch.full((2, 2), 10000.0, dtype=torch.float16))
+    w0 = base.weight.detach().clone()
+    with pytest.raises(NumericalError, match="overflows torch.float16"):
+        layer.merge()
+    assert torch.equal(base.weight, w0) and layer.merged_adapters == []

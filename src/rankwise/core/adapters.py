@@ -200,31 +200,34 @@ class AdapterLayer(nn.Module):
             self._require(n)
         if not names:
             return []
+        w, new = self._shifted_weight(names, +1)
+        if not bool(torch.isfinite(new).all()):
+            raise NumericalError(f"{self._where()}: merging {names} gives non-finite weights "
+                                 f"(an adapter holds NaN or inf, or the sum overflows {w.dtype})")
         with torch.no_grad():
-            w = self.merge_target()
-            dt = torch.promote_types(w.dtype, torch.float32)
-            total = w.detach().to(dt)
-            for n in names:
-                total = total + self.delta_weight(n, dt).to(w.device, dt)
-            if not bool(torch.isfinite(total).all()):
-                raise NumericalError(f"{self._where()}: merging {names} gives non-finite weights "
-                                     "(an adapter holds NaN or inf, or the sum overflows)")
-            w.copy_(total.to(w.dtype))
+            w.copy_(new)
         self.merged_adapters = names
         return names
+
+    @torch.no_grad()
+    def _shifted_weight(self, names: Sequence[str], sign: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(W, W + sign * sum_n ΔW_n)``: the merge target and the new weight (summed in float32 or wider,
+        rounded once to W's dtype; subtraction runs through ``names`` in reverse order)."""
+        w = self.merge_target()
+        dt = torch.promote_types(w.dtype, torch.float32)
+        total = w.detach().to(dt)
+        for n in (names if sign > 0 else reversed(names)):
+            total = total + sign * self.delta_weight(n, dt).to(w.device, dt)
+        return w, total.to(w.dtype)
 
     def _unmerge(self) -> list[str]:
         """Subtract the merged updates from the base weight (reverse order); returns their names."""
         names = list(self.merged_adapters)
         if not names:
             return []
+        w, new = self._shifted_weight(names, -1)
         with torch.no_grad():
-            w = self.merge_target()
-            dt = torch.promote_types(w.dtype, torch.float32)
-            total = w.detach().to(dt)
-            for n in reversed(names):
-                total = total - self.delta_weight(n, dt).to(w.device, dt)
-            w.copy_(total.to(w.dtype))
+            w.copy_(new)
         self.merged_adapters = []
         return names
 
