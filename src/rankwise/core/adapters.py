@@ -73,7 +73,10 @@ class AdapterLayer(nn.Module):
 
     Subclasses set the class attributes below, call ``super().__init__(base_layer, layer_name)``
     first (after validating ``base_layer``), create their per-adapter containers, and implement
-    ``forward`` and, when :attr:`mergeable`, ``delta_weight(name, dtype) -> (out, in)``.
+    ``forward``, ``adapter_parameters(name)`` (for :func:`sync_trainable`) and, when :attr:`mergeable`,
+    ``delta_weight(name, dtype) -> (out, in)``. :meth:`merge_target` (the weight in ``(out, in)``
+    layout) and :meth:`mergeable_adapters` may be overridden (PSOFT's transposed Conv1D weight, DAF's
+    candidates without a unit).
 
     Attributes (per instance): ``base_layer``; ``adapter_config`` ``{name: dict}``;
     ``active_adapters`` (ordered, no repeats); ``disabled`` (all adapters off, the base layer alone);
@@ -83,7 +86,7 @@ class AdapterLayer(nn.Module):
     """
 
     is_rankwise_wrapper = True
-    #: attribute (a dict or ModuleDict keyed by adapter name) whose keys are the layer's adapters
+    #: attribute (a dict, ModuleDict or ParameterDict keyed by adapter name) whose keys are the adapters
     adapter_store: ClassVar[str] = ""
     #: every per-adapter container keyed by adapter name (ModuleDict, ParameterDict or dict): cleared on delete,
     #: saved by :meth:`_snapshot` (``adapter_config`` is deep-copied, other dicts copied shallowly)
