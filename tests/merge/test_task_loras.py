@@ -36,3 +36,27 @@ def test_deterministic_cached_and_mergeable(minilm, tmp_path: Path, monkeypatch:
     assert merged.modules() == b.state.modules() and set(merged.ranks().values()) == {8}
     different = task_lora("kind", 1, recipe=SMOKE_RECIPE, bert=bert, tokenizer=tok, cache=False)
     assert not different.state.allclose(b.state)
+
+
+def test_encode_task_matches_prefix_and_is_shared_only_inside_the_block(minilm):
+    from rankwise.zoo.cached_encoder import FrozenPrefix
+    from rankwise.zoo.task_loras import encode_task, shared_encodings, task_data
+
+    bert, tok = minilm
+    prefix = FrozenPrefix(bert, tok, 5, 16)
+    data = task_data("kind", 0, SMOKE_RECIPE).test
+    ref_h, ref_m = prefix.encode([t for t, _ in data])  # unsorted, one chunk
+    h, m, y = encode_task(prefix, data, chunk=8)  # length-sorted chunks, returned in data order
+    assert torch.equal(m, ref_m) and y.tolist() == [c for _, c in data]
+    real = m.bool()
+    assert torch.allclose(h[real], ref_h[real], atol=1e-4)
+    with shared_encodings():
+        a = encode_task(prefix, data)
+        b = encode_task(prefix, data)
+        assert a[0] is b[0]  # the second call is served from the block's memo
+        c = encode_task(prefix, data[:-1], keep=False)
+        assert encode_task(prefix, data[:-1])[0] is not c[0]  # keep=False kept nothing
+        with shared_encodings():  # re-entrant: the inner block sees the outer entries
+            assert encode_task(prefix, data)[0] is a[0]
+        assert encode_task(prefix, data)[0] is a[0]  # ... and leaving it does not drop them
+    assert encode_task(prefix, data)[0] is not a[0]  # nothing is kept outside a block
