@@ -300,6 +300,82 @@ def test_kfac_ablation_equals_core_stats_kfac():
     assert fac["fc2"].kind == "kfac"
 
 
+def test_shared_pass_samples_give_the_same_factors_and_statistics():
+    """One backward pass (collect_sample_factors) serves GFWSVD, K-FAC, FWSVD's row Fisher and the input statistics."""
+    model = Tiny()
+    bs = batches(seed=4)
+    cfg = gf.GFWSVDConfig(power_iters=6, tol=0.0, targets=("fc1", "fc2"))
+    samples = gf.collect_sample_factors(model, bs, loss_fn, target=["fc1", "fc2"], forward=fwd)
+    assert list(samples) == ["fc1", "fc2"] and all(s.samples == 12 for s in samples.values())
+    a = gf.collect_kronecker_fisher(model, bs, loss_fn, cfg, forward=fwd)
+    b = gf.factors_from_samples(samples, cfg)
+    k = gf.factors_from_samples(samples, gf.GFWSVDConfig(approximation="kfac"), row_fisher=False)
+    kref = gf.collect_kronecker_fisher(model, bs, loss_fn, gf.GFWSVDConfig(approximation="kfac", targets=("fc1", "fc2")),
+                                       forward=fwd)
+    st = gf.layer_stats_from_samples(samples)
+    ref = collect(model, bs, ["fc1", "fc2"], kinds=("input_cov", "input_abs_mean"), forward=fwd)
+    for name in ("fc1", "fc2"):
+        torch.testing.assert_close(a[name].P, b[name].P, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(a[name].Q, b[name].Q, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(a[name].row_fisher, b[name].row_fisher, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(k[name].P, kref[name].P, rtol=1e-10, atol=1e-12)
+        assert k[name].row_fisher is None
+        # every non-padding token gets a gradient here, so the kept tokens are exactly the masked tokens
+        assert st[name].n_tokens == ref[name].n_tokens == samples[name].tokens
+        torch.testing.assert_close(st[name].input_cov(), ref[name].input_cov(), rtol=1e-6, atol=1e-9)
+        torch.testing.assert_close(st[name].input_abs_mean(), ref[name].input_abs_mean(), rtol=1e-6, atol=1e-9)
+    with pytest.raises(ValueError, match="empty"):
+        gf.factors_from_samples({})
+    with pytest.raises(TypeError, match="SampleFactors"):
+        gf.factors_from_samples({"fc1": a["fc1"]})
+    with pytest.raises(CalibrationError, match="empty"):
+        gf.collect_sample_factors(model, [], loss_fn, target=["fc1"], forward=fwd)
+
+
+def test_fwsvd_from_shared_row_fisher_equals_pipeline_fwsvd():
+    """FWSVD(fisher='sample') fitted from the shared pass's row Fisher = the pipeline's FWSVD with its own pass."""
+    import copy
+
+    from rankwise.compress.base import uniform_rank
+    from rankwise.compress.pipeline import CompressConfig, compress
+    from rankwise.compress.svd_baselines import fwsvd_factors
+
+    model = Tiny(n=5, h=6)
+    bs = batches(seed=5)
+    fac = gf.collect_kronecker_fisher(model, bs, loss_fn, gf.GFWSVDConfig(targets=("fc1",)), forward=fwd)
+    ref = copy.deepcopy(model)
+    compress(ref, CompressConfig(method="fwsvd", ratio=0.5, options={"fisher": "sample"}), bs, target=["fc1"],
+             mode="whole", forward=fwd, loss_fn=loss_fn)
+    m, n = model.fc1.weight.shape
+    f = fwsvd_factors(model.fc1.weight, fac["fc1"].row_fisher, uniform_rank(m, n, 0.5))
+    torch.testing.assert_close(f.product().float(), ref.fc1.to_dense(), rtol=1e-5, atol=1e-6)
+
+
+def test_mff_iterates_with_diagonal_start_and_bucketed_blocks_match_explicit_gradients():
+    """Ragged samples (lengths 1..20, several buckets) through the token factors = explicit per-sample gradients."""
+    g = gen(7)
+    m, n, lengths = 6, 5, [1, 20, 3, 7, 7, 12, 2, 9, 15, 4, 11, 5, 8, 6, 19, 10, 13]
+    sf = gf.SampleFactors(n, m)
+    Gs = []
+    for T in lengths:
+        X = torch.randn(1, T, n, generator=g, dtype=D)
+        Dg = torch.randn(1, T, m, generator=g, dtype=D)
+        sf.add(X, Dg)
+        Gs.append(Dg[0].mT @ X[0])
+    G = torch.stack(Gs)
+    Q = torch.randn(m, m, generator=g, dtype=D)
+    Q = Q @ Q.mT
+    torch.testing.assert_close(sf.p_step(Q), torch.einsum("smn,mk,skl->nl", G, Q, G), rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(sf.p_step(torch.eye(m, dtype=D) * 0.5), 0.5 * torch.einsum("smn,sml->nl", G, G),
+                               rtol=1e-10, atol=1e-10)
+    P = torch.randn(n, n, generator=g, dtype=D)
+    P = P @ P.mT
+    torch.testing.assert_close(sf.q_step(P), torch.einsum("smn,nk,slk->ml", G, P, G), rtol=1e-10, atol=1e-10)
+    ref = gf.mff_from_gradients(G, iters=30, tol=0.0)
+    got = gf.mff(sf, iters=30, tol=0.0)
+    assert rel(got.kron(), ref.kron()) < 1e-8
+
+
 # ---------------------------------------------------------------- bad input
 
 

@@ -62,12 +62,19 @@ __all__ = [
     "GFWSVDConfig", "GFWSVDMethod", "KroneckerFactors", "SampleFactors", "PerSampleGradientCollector",
     "explicit_fisher", "nearest_kronecker_fisher", "mff", "mff_from_gradients", "kfac_from_samples",
     "gfwsvd_factors", "gfwsvd_objective", "predicted_loss_increase", "kronecker_whiteners", "gfwsvd_rank",
-    "collect_kronecker_fisher", "gfwsvd_compress", "save_factors", "load_factors",
+    "collect_kronecker_fisher", "collect_sample_factors", "factors_from_samples", "layer_stats_from_samples",
+    "gfwsvd_compress", "save_factors", "load_factors",
 ]
 
 
 def _where(name: str | None) -> str:
     return f" in layer {name!r}" if name else ""
+
+
+def _diagonal(M: Tensor) -> Tensor | None:
+    """The diagonal of ``M`` when ``M`` is exactly diagonal (then ``A @ M == A * diag``), else None."""
+    d = torch.diagonal(M)
+    return d if torch.equal(M, torch.diag_embed(d)) else None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -167,52 +174,94 @@ class SampleFactors:
         for X, D, lengths in self._chunks_:
             yield X.to(self.compute_dtype), D.to(self.compute_dtype), lengths
 
-    @staticmethod
-    def _blocks(lengths: Tensor) -> tuple[Tensor, Tensor, int]:
-        """Sample index and position of every row, and the longest sample (for padded per-sample blocks)."""
-        S = lengths.numel()
-        sample = torch.repeat_interleave(torch.arange(S), lengths)
+    _BUCKET = 8  # samples per padded bucket (sorted by length, so each bucket pads to nearly its own lengths)
+
+    @classmethod
+    def _buckets(cls, lengths: Tensor) -> list[tuple[Tensor, Tensor, Tensor, int, int]]:
+        """Padded-block layout of a chunk: buckets of samples of similar length, each ``(rows, sample, pos,
+        S_b, T_b)`` with the chunk rows of its samples, their bucket-local sample index and position, the
+        bucket's sample count and longest sample. Padding each bucket to its own longest sample (instead of
+        the chunk's) keeps the per-sample products close to ``sum_s T_s^2``."""
+        lengths = lengths.to(torch.long)
         starts = torch.cumsum(lengths, 0) - lengths
-        pos = torch.arange(int(lengths.sum())) - starts[sample]
-        return sample, pos, int(lengths.max())
+        order = torch.argsort(lengths, stable=True)
+        out = []
+        for i in range(0, order.numel(), cls._BUCKET):
+            idx = order[i:i + cls._BUCKET]
+            ln = lengths[idx]
+            local = torch.repeat_interleave(torch.arange(idx.numel()), ln)
+            pos = torch.arange(int(ln.sum())) - (torch.cumsum(ln, 0) - ln)[local]
+            rows = starts[idx][local] + pos
+            out.append((rows, local, pos, idx.numel(), int(ln.max())))
+        return out
+
+    def _layout(self, lengths: Tensor) -> list[tuple[Tensor, Tensor, Tensor, int, int]]:
+        cache = self.__dict__.setdefault("_layouts", {})
+        key = id(lengths)
+        if key not in cache or cache[key][0] is not lengths:
+            cache[key] = (lengths, self._buckets(lengths))
+        return cache[key][1]
 
     def _per_sample(self, A: Tensor, Bm: Tensor, C: Tensor, lengths: Tensor) -> Tensor:
         """Rows of ``blockdiag_s(A_s B_s^T) C`` for row blocks ``A_s``, ``B_s``, ``C_s`` of the samples."""
-        sample, pos, Tm = self._blocks(lengths)
-        sample, pos = sample.to(A.device), pos.to(A.device)
-        S = lengths.numel()
+        out = C.new_empty(C.shape[0], C.shape[1])
+        for rows, local, pos, S, Tm in self._layout(lengths):
+            rows, local, pos = rows.to(A.device), local.to(A.device), pos.to(A.device)
 
-        def pad(M: Tensor) -> Tensor:
-            out = M.new_zeros(S, Tm, M.shape[1])
-            out[sample, pos] = M
-            return out
+            def pad(M: Tensor) -> Tensor:
+                o = M.new_zeros(S, Tm, M.shape[1])
+                o[local, pos] = M[rows]
+                return o
 
-        K = pad(A) @ pad(Bm).mT  # (S, T, T)
-        return (K @ pad(C))[sample, pos]
+            K = pad(A) @ pad(Bm).mT  # (S_b, T_b, T_b) per-sample blocks
+            out[rows] = (K @ pad(C))[local, pos]
+        return out
 
     def p_step(self, Q: Tensor) -> Tensor:
         """``sum_s G_s^T Q G_s = sum_s X_s^T (D_s Q D_s^T) X_s`` (``n x n``, float64, not divided by ``S``)."""
         out = torch.zeros(self.n, self.n, dtype=torch.float64, device=Q.device)
+        d = _diagonal(Q)  # MFF's start Q0 = I / sqrt(m): a column scaling instead of an N x m x m product
         for X, D, lengths in self._iter():
-            Y = self._per_sample(D @ Q.to(D), D, X, lengths)  # rows of (D_s Q D_s^T) X_s
+            DQ = D * d.to(D) if d is not None else D @ Q.to(D)
+            Y = self._per_sample(DQ, D, X, lengths)  # rows of (D_s Q D_s^T) X_s
             out += (X.mT @ Y).to(torch.float64)
         return out
 
     def q_step(self, P: Tensor) -> Tensor:
         """``sum_s G_s P G_s^T = sum_s D_s^T (X_s P X_s^T) D_s`` (``m x m``, float64, not divided by ``S``)."""
         out = torch.zeros(self.m, self.m, dtype=torch.float64, device=P.device)
+        d = _diagonal(P)
         for X, D, lengths in self._iter():
-            Z = self._per_sample(X @ P.to(X), X, D, lengths)  # rows of (X_s P X_s^T) D_s
+            XP = X * d.to(X) if d is not None else X @ P.to(X)
+            Z = self._per_sample(XP, X, D, lengths)  # rows of (X_s P X_s^T) D_s
             out += (D.mT @ Z).to(torch.float64)
         return out
 
     def row_fisher(self) -> Tensor:
-        """``sum_s sum_j G_s[i, j]^2`` (``m``): the diagonal of ``sum_s G_s G_s^T`` (= ``q_step(I)``'s diagonal)."""
+        """``sum_s sum_j G_s[i, j]^2`` (``m``): the diagonal of ``sum_s G_s G_s^T`` (= ``q_step(I)``'s diagonal).
+
+        Always computed in float64 (whatever ``compute_dtype``): it costs only ``O(sum_s T_s^2 (m + n))``.
+        """
         out = torch.zeros(self.m, dtype=torch.float64)
-        for X, D, lengths in self._iter():
+        for X, D, lengths in self._chunks_:
+            X, D = X.to(torch.float64), D.to(torch.float64)
             Z = self._per_sample(X, X, D, lengths)  # rows of (X_s X_s^T) D_s
-            out += (D * Z).sum(0).to(torch.float64).cpu()
+            out += (D * Z).sum(0).cpu()
         return out
+
+    def input_sums(self) -> tuple[Tensor, Tensor, int]:
+        """Forward statistics of the kept tokens, float64: ``sum_t x_t x_t^T`` (``n x n``), ``sum_t |x_t|``
+        (``n``) and the token count, i.e. the ``"input_cov"`` / ``"input_abs_mean"`` sums of
+        :mod:`rankwise.core.stats` over the tokens that received an output gradient."""
+        xtx = torch.zeros(self.n, self.n, dtype=torch.float64)
+        abs_sum = torch.zeros(self.n, dtype=torch.float64)
+        count = 0
+        for X, _, _ in self._chunks_:
+            X = X.to(torch.float64)
+            xtx += (X.mT @ X).cpu()
+            abs_sum += X.abs().sum(0).cpu()
+            count += X.shape[0]
+        return xtx, abs_sum, count
 
     def kfac(self) -> tuple[Tensor, Tensor, int]:
         """K-FAC sums ``sum_t x_t x_t^T`` (``n x n``), ``sum_t delta_t delta_t^T`` (``m x m``) over the kept
@@ -747,18 +796,7 @@ def collect_kronecker_fisher(
             if cfg.storage == "tokens":
                 step = cfg.layers_per_pass or len(names)
                 for i in range(0, len(names), step):
-                    group = names[i:i + step]
-                    samples = {k: SampleFactors(dims[k][1], dims[k][0], name=k, compute_dtype=cfg.compute_dtype)
-                               for k in group}
-
-                    def sink(k: str, X: Tensor, Dg: Tensor, samples=samples) -> None:
-                        if k in samples:
-                            samples[k].add(X, Dg)
-
-                    col.sink = sink
-                    for b in batches:
-                        col.run(b, **run_kw)
-                    _check_reached(samples)
+                    samples = _collect_samples(col, names[i:i + step], dims, batches, run_kw, cfg.compute_dtype)
                     out.update(_factors_from_samples(samples, cfg, row_fisher))
             else:
                 out.update(_recompute(col, batches, run_kw, dims, cfg, row_fisher))
@@ -766,6 +804,93 @@ def collect_kronecker_fisher(
         for mod, f in flags.items():
             mod.training = f
     return {k: out[k] for k in names}
+
+
+def _collect_samples(col: PerSampleGradientCollector, group: Sequence[str], dims: Mapping[str, tuple[int, int]],
+                     batches: Sequence[Any], run_kw: dict[str, Any], compute_dtype: torch.dtype
+                     ) -> dict[str, SampleFactors]:
+    """One forward + backward of every batch, keeping the per-sample ``(X_s, D_s)`` of the layers in ``group``."""
+    samples = {k: SampleFactors(dims[k][1], dims[k][0], name=k, compute_dtype=compute_dtype) for k in group}
+
+    def sink(k: str, X: Tensor, Dg: Tensor) -> None:
+        if k in samples:
+            samples[k].add(X, Dg)
+
+    col.sink = sink
+    for b in batches:
+        col.run(b, **run_kw)
+    _check_reached(samples)
+    return samples
+
+
+def collect_sample_factors(
+    model: nn.Module,
+    calib: Iterable[Any],
+    loss_fn: Callable[[Any, Any], Tensor] | None = None,
+    *,
+    target: Selector = None,
+    forward: Callable[[nn.Module, Any], Any] | None = None,
+    mask: Any = "auto",
+    compute_dtype: torch.dtype = torch.float64,
+) -> dict[str, SampleFactors]:
+    """The per-sample gradient factors ``(X_s, D_s)`` of every target linear, from ONE backward pass per batch.
+
+    The shared-pass entry point: the returned :class:`SampleFactors` give GFWSVD's factors
+    (:func:`factors_from_samples`), the K-FAC ablation (``approximation="kfac"``), FWSVD's row Fisher
+    (:meth:`SampleFactors.row_fisher`) and the forward statistics of the same tokens
+    (:func:`layer_stats_from_samples`, e.g. SVD-LLM(W)'s ``X^T X``) without re-running the data.
+    Arguments as in :func:`collect_kronecker_fisher` (``compute_dtype``: dtype of the later MFF
+    contractions). Memory ``O(tokens (m + n))`` per layer. Returns ``{layer name: SampleFactors}`` in
+    model order; raises :class:`CalibrationError` for empty data or a layer no gradient reached.
+    """
+    if not (isinstance(compute_dtype, torch.dtype) and compute_dtype.is_floating_point):
+        raise ValueError(f"compute_dtype={compute_dtype!r} must be a floating torch.dtype")
+    col = PerSampleGradientCollector(model, target)
+    dims = col.dims()
+    batches = calib if isinstance(calib, Sequence) else list(calib)
+    if len(batches) == 0:
+        raise CalibrationError("the calibration data is empty: `calib` yielded no batch")
+    flags = {m: m.training for m in model.modules()}
+    model.eval()
+    try:
+        with col:
+            return _collect_samples(col, col.names, dims, batches, dict(loss_fn=loss_fn, forward=forward, mask=mask),
+                                    compute_dtype)
+    finally:
+        for mod, f in flags.items():
+            mod.training = f
+
+
+def factors_from_samples(samples: Mapping[str, SampleFactors], config: GFWSVDConfig | None = None, *,
+                         row_fisher: bool = True) -> dict[str, KroneckerFactors]:
+    """GFWSVD's Kronecker factors (MFF, or K-FAC with ``approximation="kfac"``) of collected samples.
+
+    Equal to :func:`collect_kronecker_fisher` with ``storage="tokens"`` on the same data (the MFF
+    contractions run in each :class:`SampleFactors`' ``compute_dtype``); ``row_fisher`` adds FWSVD's
+    row Fisher from the same per-sample gradients. The samples can serve several configs.
+    """
+    cfg = config or GFWSVDConfig()
+    if not isinstance(cfg, GFWSVDConfig):
+        raise TypeError(f"config must be a GFWSVDConfig, got {type(cfg).__name__}")
+    if not samples:
+        raise ValueError("samples is empty: collect them with collect_sample_factors(...) first")
+    bad = [k for k, s in samples.items() if not isinstance(s, SampleFactors)]
+    if bad:
+        raise TypeError(f"samples must map layer names to SampleFactors; not for {bad[:5]}")
+    _check_reached(samples)
+    return _factors_from_samples(samples, cfg, row_fisher)
+
+
+def layer_stats_from_samples(samples: Mapping[str, SampleFactors]) -> dict[str, LayerStats]:
+    """:class:`~rankwise.core.stats.LayerStats` with the ``"input_cov"`` and ``"input_abs_mean"`` sums of the
+    kept tokens (those with a non-zero output gradient; with a token mask and a loss that reaches every
+    token, exactly the non-padding tokens), so that activation-based baselines (SVD-LLM(W), ASVD,
+    the pipeline's output-error report) share GFWSVD's one pass over the calibration data."""
+    out = {}
+    for k, s in samples.items():
+        xtx, abs_sum, count = s.input_sums()
+        out[k] = LayerStats(name=k, in_features=s.n, out_features=s.m, n_tokens=count, xtx=xtx, x_abs_sum=abs_sum)
+    return out
 
 
 def _check_reached(samples: Mapping[str, SampleFactors]) -> None:
@@ -935,10 +1060,19 @@ class GFWSVDMethod(LayerMethod):
             raise TypeError(f"layer {name!r} is a {type(layer).__name__}, GFWSVD compresses nn.Linear layers")
         kf = self.factors[name]
         t0 = time.perf_counter()
-        f = gfwsvd_factors(layer.weight, kf.P, kf.Q, rank, damping=self.config.damping,
-                           retries=self.config.damping_retries, name=name)
-        dW = layer.weight.detach().to(torch.float64) - f.product()
-        self._info = {"predicted_loss_increase": predicted_loss_increase(dW, kf.P, kf.Q, damping=self.config.damping),
+        W = layer.weight.detach().to(torch.float64)
+        m, n = W.shape
+        if kf.P.shape != (n, n) or kf.Q.shape != (m, m):
+            raise ValueError(f"need P {n}x{n} and Q {m}x{m} for W {m}x{n}{_where(name)}, got P {tuple(kf.P.shape)}, "
+                             f"Q {tuple(kf.Q.shape)}")
+        check_finite(W, "weight W", name)
+        # one pair of damped Cholesky factors serves the closed form (= gfwsvd_factors) and the predicted increase
+        L_P, L_Q = kronecker_whiteners(kf.P.to(W), kf.Q.to(W), damping=self.config.damping,
+                                       retries=self.config.damping_retries, name=name)
+        f = weighted_lowrank_factors(W, rank, left=L_Q.mT, right=L_P, dtype=torch.float64, name=name)
+        B, A = f.B.to(torch.float64), f.A.to(torch.float64)
+        resid = L_Q.mT @ W @ L_P - (L_Q.mT @ A) @ (B @ L_P)  # L_Q^T (W - A B) L_P, in factored form
+        self._info = {"predicted_loss_increase": 0.5 * float(resid.square().sum()),
                       "mff_iters": kf.iters, "mff_converged": kf.converged, "samples": kf.samples,
                       "factor_kind": kf.kind, "seconds": time.perf_counter() - t0}
         return f
