@@ -376,6 +376,44 @@ def test_mff_iterates_with_diagonal_start_and_bucketed_blocks_match_explicit_gra
     assert rel(got.kron(), ref.kron()) < 1e-8
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_token_space_mff_equals_explicit_iteration(dtype):
+    """Few tokens on wide layers: MFF iterated on the per-sample token blocks = the explicit half-steps."""
+    g = gen(11)
+    m, n, lengths = 30, 25, [1, 20, 3, 7, 7, 12, 2, 9, 15, 4, 11, 5, 8, 6, 19, 10, 13]
+    sf = gf.SampleFactors(n, m, compute_dtype=dtype)
+    mix = torch.randn(m, m, generator=g, dtype=D)
+    for i in range(0, len(lengths), 5):
+        ls = lengths[i:i + 5]
+        X = torch.randn(len(ls), max(ls), n, generator=g, dtype=D)
+        Dg = torch.randn(len(ls), max(ls), m, generator=g, dtype=D) @ mix
+        for j, L in enumerate(ls):
+            Dg[j, L:] = 0  # padding: no gradient
+        sf.add(X, Dg)
+    tol_close = 1e-12 if dtype == torch.float64 else 1e-5
+    for iters, tol in ((3, 0.0), (200, 1e-6), (200, 1e-9)):
+        ref = gf._mff(gf._StoredOperator({"l": sf}), {"l": (m, n)}, {"l": sf.samples}, iters, tol)["l"]
+        got = gf._mff_token_space(sf, iters, tol, name="l")
+        assert rel(got.P, ref.P) < tol_close and rel(got.Q, ref.Q) < tol_close
+        assert abs(got.sigma - ref.sigma) < tol_close * ref.sigma
+        assert abs(float(torch.linalg.matrix_norm(got.P)) - 1.0) < 1e-12
+        if dtype == torch.float64:
+            assert (got.iters, got.converged) == (ref.iters, ref.converged)
+    # the dispatcher picks the token space only where it is clearly cheaper
+    explicit, token = gf._token_space_cost(sf, 10)
+    assert gf._use_token_space(sf, 10) == (token < 0.5 * explicit)
+    wide = gf.SampleFactors(200, 300)
+    wide.add(torch.randn(2, 6, 200, generator=g, dtype=D), torch.randn(2, 6, 300, generator=g, dtype=D))
+    assert gf._use_token_space(wide, 5)
+    kf = gf.mff(wide, iters=5, tol=0.0)
+    ref = gf._mff(gf._StoredOperator({"w": wide}), {"w": (300, 200)}, {"w": 2}, 5, 0.0)["w"]
+    assert rel(kf.P, ref.P) < 1e-10 and rel(kf.Q, ref.Q) < 1e-10
+    zero = gf.SampleFactors(200, 300)
+    zero.add(torch.randn(2, 6, 200, generator=g, dtype=D), torch.zeros(2, 6, 300, dtype=D))
+    with pytest.raises(CalibrationError, match="zero"):
+        gf.mff(zero, iters=3)
+
+
 # ---------------------------------------------------------------- bad input
 
 

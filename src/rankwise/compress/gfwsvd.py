@@ -363,6 +363,136 @@ def _mff(op: _Operator, dims: Mapping[str, tuple[int, int]], counts: Mapping[str
                                 iters=done.get(k, it), converged=k in done, kind="mff") for k in dims}
 
 
+# MFF in the token space: when a layer's kept tokens N are few compared with its sides (N (m + n) well below
+# T (m^2 + n^2)), the iterates P = X^T A X and Q = D^T B D are carried by their per-sample T_s x T_s blocks
+# A_s, B_s, and every half-step needs only the token Gram matrices G_X = X X^T, G_D = D D^T (N x N, formed
+# once): X_s P X_s^T = (G_X A G_X)_ss, D_s Q D_s^T = (G_D B G_D)_ss, ||P||_F^2 = sum_s <A_s, (G_X A G_X)_ss>.
+# The same iteration as the explicit half-steps (same start, normalisation, stopping rule), at O(N sum_s T_s^2)
+# per half-step instead of O(N (m^2 + n^2)); P and Q are formed explicitly once at the end.
+
+_TOKEN_SPACE_MAX_N = 4096  # memory cap: about four N x N float64 matrices live at once
+
+
+def _token_space_cost(sf: "SampleFactors", iters: int) -> tuple[float, float]:
+    """Rough multiply-add counts ``(explicit, token space)`` of MFF on one layer's samples."""
+    N, m, n = sf.tokens, sf.m, sf.n
+    sq = sum(float((ln.to(torch.float64) ** 2).sum()) for _, _, ln in sf._chunks_)
+    explicit = 2.0 * iters * N * (m * m + n * n)
+    token = N * N * (m + n) + N * (m * m + n * n) + iters * (8.0 * N * sq + 6.0 * N * N)
+    return explicit, token
+
+
+def _use_token_space(sf: "SampleFactors", iters: int) -> bool:
+    if not 0 < sf.tokens <= _TOKEN_SPACE_MAX_N:
+        return False
+    explicit, token = _token_space_cost(sf, iters)
+    return token < 0.5 * explicit
+
+
+def _mff_token_space(sf: "SampleFactors", iters: int, tol: float, name: str | None = None) -> KroneckerFactors:
+    """MFF on one layer by the token-space recursion above. The Grams, the block products and the final
+    ``P``, ``Q`` run in ``sf.compute_dtype``, norms and inner products are summed in float64. Returns the
+    same :class:`KroneckerFactors` as the explicit iteration (to rounding; tested)."""
+    f64, cd = torch.float64, sf.compute_dtype
+    X = torch.cat([x for x, _, _ in sf._chunks_]).to(cd)
+    D = torch.cat([d for _, d, _ in sf._chunks_]).to(cd)
+    lengths = torch.cat([ln for _, _, ln in sf._chunks_])
+    N, S, m = X.shape[0], sf.samples, sf.m
+    layout = SampleFactors._buckets(lengths)
+
+    def pad(M: Tensor, rows: Tensor, local: Tensor, pos: Tensor, Sb: int, Tb: int) -> Tensor:
+        o = M.new_zeros(Sb, Tb, M.shape[1])
+        o[local, pos] = M[rows]
+        return o
+
+    GX, GD = X @ X.mT, D @ D.mT
+    GXp = [pad(GX, *lay) for lay in layout]
+    GDp = [pad(GD, *lay) for lay in layout]
+    del GX, GD
+
+    def diag_blocks(Gp: list[Tensor], blocks: list[Tensor]) -> list[Tensor]:
+        """Per-sample diagonal blocks of ``G blockdiag(blocks) G`` (zero-padded like ``blocks``)."""
+        H = Gp[0].new_empty(N, N)
+        for (rows, local, pos, _, _), gp, b in zip(layout, Gp, blocks):
+            H[rows] = (b @ gp)[local, pos]  # rows of blockdiag(blocks) G
+        Ht = H.mT.contiguous()  # its columns, as rows
+        del H
+        return [gp @ pad(Ht, *lay).mT for lay, gp in zip(layout, Gp)]
+
+    def inner(a: list[Tensor], b: list[Tensor]) -> float:
+        return float(sum((x.to(f64) * y.to(f64)).sum() for x, y in zip(a, b)))
+
+    def sym(bl: list[Tensor]) -> list[Tensor]:
+        return [0.5 * (b + b.mT) for b in bl]
+
+    Dp = [pad(D, *lay) for lay in layout]
+    A_raw = [dp @ dp.mT / math.sqrt(m) for dp in Dp]  # D_s Q0 D_s^T, Q0 = I / sqrt(m)
+    del Dp
+    A_prev: list[Tensor] | None = None
+    Bq_prev: list[Tensor] = []
+    A_bar: list[Tensor] = []
+    Bq: list[Tensor] = []
+    sigma, done, it = float("nan"), None, 0
+    for it in range(1, iters + 1):
+        A_raw = sym(A_raw)
+        B_raw = diag_blocks(GXp, A_raw)  # X_s (X^T A_raw X) X_s^T
+        nrm2 = inner(A_raw, B_raw) / S ** 2  # ||P_raw||_F^2, P_raw = X^T A_raw X / S
+        if not math.isfinite(nrm2):
+            raise NumericalError(f"MFF power iteration produced a non-finite input factor P{_where(name)}")
+        if nrm2 <= 0.0:
+            raise CalibrationError(f"layer {name!r}: every per-sample gradient is zero, so its Fisher is zero; "
+                                   "GFWSVD needs a task loss whose gradient does not vanish (not e.g. a "
+                                   "self-distillation loss at its optimum)")
+        c = 1.0 / (S * math.sqrt(nrm2))
+        A_bar = [a * c for a in A_raw]  # P = X^T A_bar X, ||P||_F = 1
+        Bq = sym([b * c for b in B_raw])  # X_s P X_s^T
+        change = float("inf")
+        if A_prev is not None:
+            # ||P - P_prev||^2 = 2 - 2 <P, P_prev> is cheap but loses digits to cancellation; only when it is
+            # small, the exact quadratic form sum_s <dA_s, (G_X dA G_X)_ss> decides
+            if 2.0 - 2.0 * inner(A_bar, Bq_prev) < 1e-3:
+                dA = [a - b for a, b in zip(A_bar, A_prev)]
+                change = math.sqrt(max(0.0, inner(dA, diag_blocks(GXp, dA))))
+        C_raw = diag_blocks(GDp, Bq)  # D_s (D^T Bq D) D_s^T
+        q2 = inner(Bq, C_raw) / S ** 2  # ||Q_raw||_F^2, Q_raw = D^T Bq D / S
+        if not math.isfinite(q2) or q2 <= 0.0:
+            raise NumericalError(f"MFF power iteration produced a zero or non-finite output factor Q{_where(name)}")
+        sigma = math.sqrt(q2)
+        A_raw = [cb / (S * sigma) for cb in C_raw]  # D_s Q_unit D_s^T for the next P step
+        A_prev, Bq_prev = A_bar, Bq
+        if change < tol:
+            done = it
+            break
+    del GXp, GDp
+
+    def form(M: Tensor, blocks: list[Tensor]) -> Tensor:
+        """``M^T blockdiag(blocks) M`` (float64, symmetrised)."""
+        Y = M.new_empty(M.shape)
+        for lay, b in zip(layout, blocks):
+            rows, local, pos = lay[:3]
+            Y[rows] = (b @ pad(M, *lay))[local, pos]
+        out = (M.mT @ Y).to(f64)
+        return 0.5 * (out + out.mT)
+
+    P = form(X, A_bar)
+    Q = form(D, Bq) / S
+    pn = float(torch.linalg.matrix_norm(P))  # 1 up to the rounding of the explicit products
+    P, Q = P / pn, Q * pn  # keep ||P||_F = 1 exactly and P kron Q unchanged
+    sigma = float(torch.linalg.matrix_norm(Q))
+    return KroneckerFactors(P=P, Q=Q, sigma=sigma, samples=S, iters=done or it, converged=done is not None, kind="mff")
+
+
+def _mff_samples(samples: Mapping[str, "SampleFactors"], iters: int, tol: float) -> dict[str, KroneckerFactors]:
+    """MFF on stored samples: each layer in the token space when that is clearly cheaper, else explicitly."""
+    token = {k for k, sf in samples.items() if _use_token_space(sf, iters)}
+    out = {k: _mff_token_space(samples[k], iters, tol, name=k) for k in samples if k in token}
+    rest = {k: sf for k, sf in samples.items() if k not in token}
+    if rest:
+        out.update(_mff(_StoredOperator(rest), {k: (sf.m, sf.n) for k, sf in rest.items()},
+                        {k: sf.samples for k, sf in rest.items()}, iters, tol))
+    return {k: out[k] for k in samples}
+
+
 def _check_iters(iters: Any, tol: Any) -> None:
     if isinstance(iters, bool) or not isinstance(iters, int) or iters < 1:
         raise ValueError(f"power_iters must be an int >= 1, got {iters!r}")
@@ -384,7 +514,7 @@ def mff(samples: SampleFactors, *, iters: int = 10, tol: float = 1e-6) -> Kronec
         warnings.warn(f"layer {samples.name!r}: the Fisher from {S} sample is rank-deficient; use more "
                       "calibration samples", RuntimeWarning, stacklevel=2)
     key = samples.name or "layer"
-    return _mff(_StoredOperator({key: samples}), {key: (samples.m, samples.n)}, {key: S}, iters, tol)[key]
+    return _mff_samples({key: samples}, iters, tol)[key]
 
 
 def mff_from_gradients(grads: Tensor, *, iters: int = 10, tol: float = 1e-6) -> KroneckerFactors:
@@ -909,8 +1039,7 @@ def _factors_from_samples(samples: Mapping[str, SampleFactors], cfg: GFWSVDConfi
     if cfg.approximation == "kfac":
         res = {k: kfac_from_samples(s) for k, s in samples.items()}
     else:
-        res = _mff(_StoredOperator(samples), {k: (s.m, s.n) for k, s in samples.items()},
-                   {k: s.samples for k, s in samples.items()}, cfg.power_iters, cfg.tol)
+        res = _mff_samples(samples, cfg.power_iters, cfg.tol)
     if row_fisher:
         for k, s in samples.items():
             res[k].row_fisher = s.row_fisher() / s.samples
