@@ -479,3 +479,40 @@ def test_config_alpha_bounds_and_defaults():
         ("aces", (0.25, 0.75), 0.95, 1.0, "ratio", False, 1e-6)
     cc = saes.SAESConfig(compression_ratio=0.6).to_compress_config()
     assert cc.method == "saes-svd" and cc.ratio == pytest.approx(0.4)
+
+
+class _WordTokenizer:
+    """A whitespace tokenizer with the Hugging Face call signature the reproductions use (ids = word index + 1)."""
+
+    def __init__(self) -> None:
+        self.vocab: dict[str, int] = {}
+
+    def _ids(self, text: str, max_length: int) -> list[int]:
+        return [self.vocab.setdefault(w, len(self.vocab) + 1) for w in text.split()][:max_length]
+
+    def __call__(self, texts, padding=False, truncation=False, max_length=512, return_tensors=None):
+        ids = [self._ids(t, max_length if truncation else 10 ** 9) for t in texts]
+        if not padding:
+            return {"input_ids": ids}
+        width = max(len(i) for i in ids)
+        return {"input_ids": torch.tensor([i + [0] * (width - len(i)) for i in ids]),
+                "attention_mask": torch.tensor([[1] * len(i) + [0] * (width - len(i)) for i in ids])}
+
+
+def test_repro_batches_are_length_sorted_and_keep_every_sentence():
+    from rankwise.repro import saes_svd as repro
+
+    texts = [" ".join(f"w{j}" for j in range(n)) + f" s{k}" for k, n in enumerate([9, 2, 30, 5, 5, 70, 1, 12, 3])]
+    tok = _WordTokenizer()
+    batches = repro._batches(tok, texts, 4)
+    assert [b["input_ids"].shape[0] for b in batches] == [4, 4, 1]
+    lengths = [int(n) for b in batches for n in b["attention_mask"].sum(1)]
+    assert lengths == sorted(lengths) and lengths[-1] == repro.MAX_LEN  # truncated at MAX_LEN, sorted
+    got = sorted(tuple(row[m.bool()].tolist()) for b in batches for row, m in zip(b["input_ids"], b["attention_mask"]))
+    want = sorted(tuple(i) for i in tok(texts, truncation=True, max_length=repro.MAX_LEN)["input_ids"])
+    assert got == want
+    padded = sum(b["attention_mask"].numel() for b in batches)
+    unsorted = sum(len(texts[i:i + 4]) * max(len(t) for t in tok(texts[i:i + 4], truncation=True,
+                                                                 max_length=repro.MAX_LEN)["input_ids"])
+                   for i in range(0, len(texts), 4))
+    assert padded < unsorted

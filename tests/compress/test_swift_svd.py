@@ -401,3 +401,48 @@ def test_conv1d_target_is_a_type_error():
     with pytest.raises(TypeError, match="Conv1D"):
         compress(model, CompressConfig(method="swift-svd"), calib=[{"input_ids": torch.zeros(1, 4, dtype=torch.long)}],
                  target="c_attn")
+
+
+def test_repro_batches_keep_pairs_together_in_length_order():
+    from rankwise.repro import swift_svd as repro
+
+    vocab: dict[str, int] = {}
+
+    def tok(texts, padding=False, truncation=False, max_length=512, return_tensors=None):
+        ids = [[vocab.setdefault(w, len(vocab) + 1) for w in t.split()][:max_length] for t in texts]
+        if not padding:
+            return {"input_ids": ids}
+        width = max(len(i) for i in ids)
+        return {"input_ids": torch.tensor([i + [0] * (width - len(i)) for i in ids]),
+                "attention_mask": torch.tensor([[1] * len(i) + [0] * (width - len(i)) for i in ids])}
+
+    rng = torch.Generator().manual_seed(0)
+    lens = torch.randint(1, 90, (2 * 19,), generator=rng).tolist()
+    pairs = [(" ".join(f"a{i}x{j}" for j in range(lens[2 * i])), " ".join(f"b{i}x{j}" for j in range(lens[2 * i + 1])))
+             for i in range(19)]
+    batches = repro._batches(tok, pairs)
+    assert [b["input_ids"].shape[0] for b in batches] == [16, 16, 6]  # 8 + 8 + 3 pairs
+    seen, longest = [], []
+    for b in batches:
+        k = b["input_ids"].shape[0] // 2
+        rows = [tuple(r[m.bool()].tolist()) for r, m in zip(b["input_ids"], b["attention_mask"])]
+        for i in range(k):  # row i is a_i, row k + i its partner b_i
+            a, bb = rows[i], rows[k + i]
+            seen.append((a, bb))
+            longest.append(max(len(a), len(bb)))
+    want = [tuple(tuple(x) for x in tok([a, b], truncation=True, max_length=repro.MAX_LENGTH)["input_ids"])
+            for a, b in pairs]
+    assert sorted(seen) == sorted(want)
+    assert longest == sorted(longest) and max(longest) == repro.MAX_LENGTH
+    assert repro._batches(tok, []) == []
+
+
+def test_repro_seed_draws_the_calibration_pairs_not_the_evaluation_set():
+    from rankwise.repro import swift_svd as repro
+
+    c0, e0, p0 = repro._data(0, 8, 16)
+    c1, e1, p1 = repro._data(1, 8, 16)
+    assert e0 == e1 and len(e0) == 16  # one fixed evaluation draw, shared by the seeds
+    assert p0 != p1 and len(p0) == len(p1) == 8 and c0 == [s for p in p0 for s in p]
+    assert repro._data(0, 8, 16) == (c0, e0, p0)  # deterministic
+    assert not set(e0) & set(c0 + c1)  # disjoint splits
