@@ -62,3 +62,35 @@ def test_full_rank_reference_is_the_untruncated_merge(setup, rule):
     deltas = baselines.merged_deltas(states, baselines.MergeConfig(rule=rule, scale=0.75, density=0.3), rank=None)
     for mod, d in deltas.items():
         assert torch.equal(ref.delta_weight(mod, torch.float64), d)
+
+
+def test_quick_task_rule_picks_passing_tasks_cheapest_first():
+    from rankwise.repro.ctm import quick_task_rule
+
+    gains = {"a": [3.0, 2.0], "b": [10.0, -1.0], "c": [1.0, 2.0], "d": [2.0, 2.0], "e": [5.0, 5.0]}
+    n = {"a": 500, "b": 100, "c": 10, "d": 300, "e": 300}
+    assert quick_task_rule(gains, n) == ("b", "d", "e")  # c fails (mean 1.5); ties in cost by name
+    with pytest.raises(ValueError, match="only 2 tasks"):
+        quick_task_rule({"a": [3.0, 3.0], "b": [0.0, 0.0], "c": [2.5, 2.5]}, {"a": 1, "b": 1, "c": 1}, min_gain=2.5)
+
+
+@pytest.mark.slow
+def test_quick_tasks_follow_the_validation_rule():
+    """QUICK_TASKS = the rule applied to the recipe's LoRAs (seeds 0, 1; validation only). Trains and caches
+    the 12 LoRAs of TASKS on first use (about 80 s of one-thread CPU); fails if a recipe or corpus change
+    moved the choice, which must then be redone (and the documented table updated)."""
+    from rankwise.repro.ctm import QUICK_TASKS, quick_task_rule
+    from rankwise.zoo.task_loras import RECIPE, TASKS, shared_encodings
+
+    bert, tok = zoo.minilm()
+    gains: dict[str, list[float]] = {t: [] for t in TASKS}
+    n_train = {}
+    with shared_encodings():
+        for seed in (0, 1):
+            for t in TASKS:
+                tl = task_lora(t, seed, bert=bert, tokenizer=tok)
+                ev = Evaluator(bert, tok, [tl], [task_data(t, seed)], RECIPE)
+                assert ev.accuracies(tl.state, "val")[0] == pytest.approx(tl.metrics["val_acc"])
+                gains[t].append(100 * (tl.metrics["val_acc"] - ev.accuracies(None, "val")[0]))
+                n_train[t] = tl.metrics["n_train"]
+    assert set(quick_task_rule(gains, n_train)) == set(QUICK_TASKS)
