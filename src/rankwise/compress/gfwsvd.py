@@ -195,26 +195,47 @@ class SampleFactors:
             out.append((rows, local, pos, idx.numel(), int(ln.max())))
         return out
 
-    def _layout(self, lengths: Tensor) -> list[tuple[Tensor, Tensor, Tensor, int, int]]:
+    _GROUP_ROWS = 128  # rows per group of consecutive samples in the explicit half-steps
+
+    @classmethod
+    def _groups(cls, lengths: Tensor) -> list[tuple[int, int, Tensor | None]]:
+        """Consecutive samples grouped into row ranges ``[r0, r1)`` of at most ``_GROUP_ROWS`` rows (or one
+        longer sample), with the block-diagonal mask of the group (None when it holds a single sample)."""
+        out: list[tuple[int, int, Tensor | None]] = []
+        ln = [int(v) for v in lengths]
+        i, r0 = 0, 0
+        while i < len(ln):
+            j, rows = i, 0
+            while j < len(ln) and (j == i or rows + ln[j] <= cls._GROUP_ROWS):
+                rows += ln[j]
+                j += 1
+            if j - i == 1:
+                mask = None
+            else:
+                sid = torch.repeat_interleave(torch.arange(j - i), torch.tensor(ln[i:j]))
+                mask = sid[:, None] == sid[None, :]
+            out.append((r0, r0 + rows, mask))
+            i, r0 = j, r0 + rows
+        return out
+
+    def _layout(self, lengths: Tensor) -> list[tuple[int, int, Tensor | None]]:
         cache = self.__dict__.setdefault("_layouts", {})
         key = id(lengths)
         if key not in cache or cache[key][0] is not lengths:
-            cache[key] = (lengths, self._buckets(lengths))
+            cache[key] = (lengths, self._groups(lengths))
         return cache[key][1]
 
     def _per_sample(self, A: Tensor, Bm: Tensor, C: Tensor, lengths: Tensor) -> Tensor:
-        """Rows of ``blockdiag_s(A_s B_s^T) C`` for row blocks ``A_s``, ``B_s``, ``C_s`` of the samples."""
+        """Rows of ``blockdiag_s(A_s B_s^T) C`` for row blocks ``A_s``, ``B_s``, ``C_s`` of the samples.
+
+        Each group of consecutive samples is one small dense product ``A_g B_g^T`` masked to its
+        block diagonal (contiguous slices, no padding copies)."""
         out = C.new_empty(C.shape[0], C.shape[1])
-        for rows, local, pos, S, Tm in self._layout(lengths):
-            rows, local, pos = rows.to(A.device), local.to(A.device), pos.to(A.device)
-
-            def pad(M: Tensor) -> Tensor:
-                o = M.new_zeros(S, Tm, M.shape[1])
-                o[local, pos] = M[rows]
-                return o
-
-            K = pad(A) @ pad(Bm).mT  # (S_b, T_b, T_b) per-sample blocks
-            out[rows] = (K @ pad(C))[local, pos]
+        for r0, r1, mask in self._layout(lengths):
+            K = A[r0:r1] @ Bm[r0:r1].mT
+            if mask is not None:
+                K = K * mask.to(K.device, K.dtype)
+            torch.matmul(K, C[r0:r1], out=out[r0:r1])
         return out
 
     def p_step(self, Q: Tensor) -> Tensor:
@@ -253,26 +274,26 @@ class SampleFactors:
         """Forward statistics of the kept tokens, float64: ``sum_t x_t x_t^T`` (``n x n``), ``sum_t |x_t|``
         (``n``) and the token count, i.e. the ``"input_cov"`` / ``"input_abs_mean"`` sums of
         :mod:`rankwise.core.stats` over the tokens that received an output gradient."""
-        xtx = torch.zeros(self.n, self.n, dtype=torch.float64)
-        abs_sum = torch.zeros(self.n, dtype=torch.float64)
-        count = 0
-        for X, _, _ in self._chunks_:
-            X = X.to(torch.float64)
-            xtx += (X.mT @ X).cpu()
-            abs_sum += X.abs().sum(0).cpu()
-            count += X.shape[0]
-        return xtx, abs_sum, count
+        cached = self.__dict__.get("_input_sums")
+        if cached is None or cached[0] != len(self._chunks_):
+            xtx = torch.zeros(self.n, self.n, dtype=torch.float64)
+            abs_sum = torch.zeros(self.n, dtype=torch.float64)
+            count = 0
+            for X, _, _ in self._chunks_:
+                X = X.to(torch.float64)
+                xtx += (X.mT @ X).cpu()
+                abs_sum += X.abs().sum(0).cpu()
+                count += X.shape[0]
+            cached = self.__dict__["_input_sums"] = (len(self._chunks_), xtx, abs_sum, count)
+        return cached[1].clone(), cached[2].clone(), cached[3]
 
     def kfac(self) -> tuple[Tensor, Tensor, int]:
         """K-FAC sums ``sum_t x_t x_t^T`` (``n x n``), ``sum_t delta_t delta_t^T`` (``m x m``) over the kept
         tokens (those with a non-zero output gradient), and their count."""
-        A = torch.zeros(self.n, self.n, dtype=torch.float64)
+        A, _, count = self.input_sums()  # float64, shared with the activation statistics
         G = torch.zeros(self.m, self.m, dtype=torch.float64)
-        count = 0
-        for X, D, _ in self._iter():
-            A += (X.mT @ X).to(torch.float64).cpu()
+        for _, D, _ in self._iter():
             G += (D.mT @ D).to(torch.float64).cpu()
-            count += X.shape[0]
         return A, G, count
 
 
