@@ -23,8 +23,9 @@ number of steps as stage 1; full mode adds an FFN-placed top-2 MoE-LoRA (E exper
 intermediate.dense and output.dense, trained jointly with the aux loss, MixLoRA-style); the oracle
 (test examples hard-routed to their task's expert) and, in regime (ii), the uniform mixture of the LoRAs.
 
-Claims: quick (T = 2, 1 seed): new experts leave the model unchanged, top-K fusion with K = E equals
-soft fusion exactly, and the per-token routing entropy falls during stage 2 with the default sign.
+Claims: quick (T = 2; regime (i) only, no multi-task LoRA row): new experts leave the model unchanged and
+top-K fusion with K = E equals soft fusion exactly (first seed), and the per-token routing entropy falls
+during stage 2 with the default sign (mean over seeds).
 Full (T = 4, 3 seeds, 32 routing examples per task): (a) RSL accuracy >= aux-only + 1 point; (b) every
 expert's global top-1 load in [0.5/E, 2/E]; (c) each task's most-used expert has per-task load
 >= 1.5/E, and I(task; top-1 expert) with RSL >= aux-only + 0.05 nats; (d) LoRA-Mixer's trainable

@@ -18,8 +18,9 @@ Rows (same batches, same steps, Adam lr 1e-3 for adapters, routers and the head,
   (lambda 0.5, singular basis), balance 0.01;
 * ablations (full mode): **block only** (coarse router, no spectral), **block+spectral**, **block+FGR**.
 
-Claims: quick (T = 5, 2 blocks, 1 seed): the adapter output is zero at initialisation, mtLoRA >=
-HydraLoRA - 2 points, mtLoRA uses <= 70 % of HydraLoRA's trainable parameters (exact relation).
+Claims: quick (T = 5, 2 blocks, the HydraLoRA and mtLoRA rows only): the adapter output is zero at
+initialisation (64 test examples, first seed), mtLoRA >= HydraLoRA - 2 points (mean over seeds), mtLoRA
+uses <= 70 % of HydraLoRA's trainable parameters (exact relation).
 Full (T = 5 and 12, 3 seeds): at T = 12 mtLoRA >= HydraLoRA + 1 point, <= 70 % of its parameters,
 and the accuracy drop from T = 5 to T = 12 is smaller for mtLoRA than for HydraLoRA.
 """
