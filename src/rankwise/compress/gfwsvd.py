@@ -30,7 +30,10 @@ sequence's tokens (exact per-sample gradients for losses that are sums over sequ
 in-batch contrastive loss it is the sequence's share of the batch gradient); the per-sample factors
 are kept in the layer's own dtype (``storage="tokens"``, memory ``O(tokens (m + n))`` per layer, one
 backward pass), or the data are re-run for each half-step (``storage="recompute"``, memory
-``O(m^2 + n^2)``, ``2 T + 1`` passes); sums are accumulated in float64.
+``O(m^2 + n^2)``, ``2 T + 1`` passes); sums are accumulated in float64. With stored tokens, a layer
+whose kept tokens ``N`` are few for its width is iterated in the token space (per-sample ``T_s x T_s``
+blocks of ``P = X^T A X``, ``Q = D^T B D`` and the Grams ``X X^T``, ``D D^T``; same iterates), and
+:func:`collect_sample_factors` lets other statistics share the one backward pass.
 """
 
 from __future__ import annotations

@@ -123,7 +123,7 @@ class _EvalSet:
     (up to float rounding), so the metrics do not change, only their cost.
     """
 
-    def __init__(self, tok: Any, pairs: Sequence[tuple[str, str]], batch_size: int = 64):
+    def __init__(self, tok: Any, pairs: Sequence[tuple[str, str]], batch_size: int = 32):
         texts = [a for a, _ in pairs] + [b for _, b in pairs]
         self.n_pairs = len(pairs)
         lengths = [len(ids) for ids in tok(texts, truncation=True, max_length=MAX_LEN)["input_ids"]]
