@@ -21,8 +21,9 @@ head lr 1e-2), batch 32, ``epochs`` passes, LoRA A from a seeded kaiming init, h
 Cost (measured, one thread, recipe version 4: top_layers = 1, 3 epochs): about 3.5-5 s of CPU per LoRA of
 the small tasks (``c_signature``, ``dunder``, ``files_vs_formats``), about 9 s for the 504-example ones;
 the six tasks of :data:`TASKS` for one seed take about 40 s. Inside :func:`shared_encodings` the
-validation and test encodings computed for training are reused by the caller's evaluation. Modules in the AdapterState are named as in
-:class:`~rankwise.zoo.cached_encoder.TopModel` (``layers.<i>.attention.self.query``, ...).
+validation and test encodings computed for training are reused by the caller's evaluation. Modules in
+the AdapterState are named as in :class:`~rankwise.zoo.cached_encoder.TopModel`
+(``layers.<i>.attention.self.query``, ...).
 
     from rankwise.zoo.task_loras import task_lora, TASKS
     tl = task_lora("topic", seed=0)    # TaskLoRA(task, labels, state, head, metrics, path)
