@@ -33,6 +33,7 @@ import hashlib
 import json
 import logging
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -323,8 +324,10 @@ def _figure(curves: dict[str, dict[str, list[list[float]]]], out_dir: Path) -> l
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
     for name, c in curves.items():
-        acc = np.nanmean(np.array(c["accuracy"], dtype=float), axis=0)
-        loss = np.nanmean(np.array(c["train_loss"], dtype=float), axis=0)
+        with warnings.catch_warnings():  # a round no seed evaluated is NaN in the plot, not a warning
+            warnings.simplefilter("ignore", RuntimeWarning)
+            acc = np.nanmean(np.array(c["accuracy"], dtype=float), axis=0)
+            loss = np.nanmean(np.array(c["train_loss"], dtype=float), axis=0)
         style = "--" if name.startswith("FSLoRA all") else "-"
         axes[0].plot(range(len(acc)), acc, style, marker="o", ms=3, label=name)
         axes[1].plot(range(1, len(loss) + 1), loss, style, marker="o", ms=3, label=name)
