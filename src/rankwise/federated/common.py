@@ -11,8 +11,9 @@ the layout it received; the server rejects anything else (:func:`check_update`).
 from __future__ import annotations
 
 import json
+import logging
 import math
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -67,3 +68,16 @@ def check_update(arrays: Sequence[Any], layout: Sequence[tuple[str, tuple[int, .
 
 def finite_number(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(float(x))
+
+
+def quiet_flwr(level: int = logging.WARNING) -> Callable[[], None]:
+    """Raise the ``flwr`` logger to ``level`` (its per-round INFO lines would flood a terminal) and return
+    the function that restores the previous level. ``flwr.server`` is imported first because Flower sets
+    its logger's level when it is imported; call the returned function in a ``finally``."""
+    import flwr.server  # noqa: F401
+
+    flwr_log = logging.getLogger("flwr")
+    old = flwr_log.level
+    flwr_log.setLevel(level)
+    return lambda: flwr_log.setLevel(old)
+

@@ -221,11 +221,9 @@ def run(mode: str, seeds: Sequence[int], out_dir: Path) -> ReproResult:
     out_dir.mkdir(parents=True, exist_ok=True)
     S = SETTINGS[mode]
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
-    import flwr.server  # noqa: F401  (flwr sets its logger's level when imported; set ours after)
+    from rankwise.federated.common import quiet_flwr
 
-    flwr_log = logging.getLogger("flwr")
-    old_level = flwr_log.level
-    flwr_log.setLevel(logging.WARNING)
+    restore_flwr_log = quiet_flwr()
     cols = ["final accuracy", "final loss", "adapter upload KB/client", "head upload KB/client",
             "mean k/r (sampled)", "wall s"]
     table = Table(columns=cols, notes={"adapter upload KB/client": "LoRA tensors sent to the server per client "
@@ -263,7 +261,7 @@ def run(mode: str, seeds: Sequence[int], out_dir: Path) -> ReproResult:
                     curves[name] = {"train_loss": [[x["train_loss"] for x in st.history if x["round"] > 0]],
                                     "accuracy": [[x.get("accuracy", float("nan")) for x in st.history]]}
     finally:
-        flwr_log.setLevel(old_level)
+        restore_flwr_log()
 
     def mean(row: str, col: str, only: Sequence[int] | None = None) -> float:
         v = [raw[row][s][col] for s in (only or seeds) if s in raw.get(row, {})]

@@ -19,7 +19,6 @@ counted from the experts actually evaluated, and the bytes each client sends per
 from __future__ import annotations
 
 import copy
-import logging
 import time
 from pathlib import Path
 from typing import Any, Sequence
@@ -167,11 +166,9 @@ def run(mode: str, seeds: Sequence[int], out_dir: Path) -> ReproResult:
     out_dir.mkdir(parents=True, exist_ok=True)
     S = SETTINGS[mode]
     torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
-    import flwr.server  # noqa: F401  (flwr sets its logger's level on import; set ours after)
+    from rankwise.federated.common import quiet_flwr
 
-    flwr_log = logging.getLogger("flwr")
-    old_level = flwr_log.level
-    flwr_log.setLevel(logging.WARNING)
+    restore_flwr_log = quiet_flwr()
     ks = sorted({int(K_MAX * b) for b in TIERS})
     cols = ([f"loss K={k}" for k in ks] + [f"accuracy K={k}" for k in ks]
             + ["loss gap K=1 - K=4", "utilisation entropy", "FFN FLOPs/token K=1 / K=4", "upload KB/client/round",
@@ -191,7 +188,7 @@ def run(mode: str, seeds: Sequence[int], out_dir: Path) -> ReproResult:
                     table.add(row, c, v)
                 raw.setdefault(row, {})[seed] = vals
     finally:
-        flwr_log.setLevel(old_level)
+        restore_flwr_log()
 
     def mean(row: str, col: str) -> float:
         v = [raw[row][s][col] for s in seeds if s in raw.get(row, {})]

@@ -14,7 +14,6 @@ continues from it), and the final global adapter, the per-round history and the 
 from __future__ import annotations
 
 import json
-import logging
 from pathlib import Path
 from typing import Any, Optional
 
@@ -131,16 +130,13 @@ def register(app: typer.Typer) -> None:
                           f"{row['clients_rejected']}  upload {row['upload_bytes_per_client'] / 1024:.1f} KB/client  "
                           f"download {row['download_bytes_per_client'] / 1024:.1f} KB/client", markup=False, soft_wrap=True)
 
-        import flwr.server  # noqa: F401  (flwr sets its logger's level when imported; set ours after)
+        from rankwise.federated.common import quiet_flwr
 
-        flwr_log = logging.getLogger("flwr")
-        old = flwr_log.level
-        if not quiet:
-            flwr_log.setLevel(logging.WARNING)
+        restore_flwr_log = quiet_flwr()  # Flower's per-round INFO lines, with or without --quiet
         try:
             strategy = run_simulation_settings(settings, backend=backend, on_round=on_round)
         finally:
-            flwr_log.setLevel(old)
+            restore_flwr_log()
         if out is not None:
             strategy.global_adapter.save(out / "global_adapter.safetensors")
             io.write_json(out / "history.json", json.loads(json.dumps(strategy.history, default=str)
