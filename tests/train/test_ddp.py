@@ -8,7 +8,6 @@ single-process training on the whole batch, up to float summation order.
 from __future__ import annotations
 
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -19,12 +18,6 @@ from torch import nn
 STEPS = 4
 WORLD = 2
 SCENARIOS = ("racs", "alice", "winq")
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _model() -> nn.Module:
@@ -76,13 +69,15 @@ def _prepared(scenario: str) -> nn.Module:
     return prepare_qat(model, QATConfig(w_bits=2)) if scenario == "winq" else model
 
 
-def _worker(rank: int, port: int, out: str) -> None:
+def _worker(rank: int, out: str) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    # Rendezvous through a file and gloo pairs on the loopback device: no port is picked ahead of time, so a
+    # concurrent test (pytest-xdist runs the Flower deployment test beside this one) cannot take it first.
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", init_method=f"file://{Path(out) / 'rendezvous'}", rank=rank,
+                            world_size=WORLD)
     try:
         x, y = _data()
         half = x.shape[0] // WORLD
@@ -104,7 +99,7 @@ def ddp_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, list
     if not dist.is_available():
         pytest.skip("torch.distributed is not available")
     out = tmp_path_factory.mktemp("ddp")
-    mp.spawn(_worker, args=(_free_port(), str(out)), nprocs=WORLD, join=True)
+    mp.spawn(_worker, args=(str(out),), nprocs=WORLD, join=True)
     return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(WORLD)]
 
 
