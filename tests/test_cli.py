@@ -217,7 +217,7 @@ def test_zoo_build_missing_is_a_clear_error(runner: CliRunner, monkeypatch: pyte
 
 
 def test_expand_multi() -> None:
-    ex = cli._expand_multi
+    from rankwise.verbs.common import expand_multi as ex
     assert ex(["--seeds", "0", "1", "lora"]) == ["--seeds", "0", "--seeds", "1", "lora"]
     assert ex(["--only", "a", "b", "--quick"]) == ["--only", "a", "--only", "b", "--quick"]
     assert ex(["--seeds", "x", "1"]) == ["--seeds", "x", "--seeds", "1"]

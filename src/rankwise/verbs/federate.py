@@ -73,7 +73,7 @@ def register(app: typer.Typer) -> None:
                                                       "client's round counts as failed."),
     ) -> None:
         """Federated LoRA fine-tuning with heterogeneous client ranks in Flower's simulation engine."""
-        from rankwise.cli import _console, _settings
+        from rankwise.verbs import common
         from rankwise.core import io
         from rankwise.federated import FSLoRAConfig
         from rankwise.federated.runner import RunSettings, methods, run_simulation_settings
@@ -110,8 +110,8 @@ def register(app: typer.Typer) -> None:
         settings = RunSettings(method=method, task=spec, task_kwargs=task_kwargs, num_clients=clients, rounds=rounds,
                                config=config, checkpoint_dir=ckpt, resume=str(out) if resume else None,
                                round_timeout=round_timeout)
-        quiet = _settings(ctx).quiet
-        console = _console()
+        quiet = common.settings(ctx).quiet
+        console = common.console()
         if not quiet:
             console.print(f"{method}: {clients} clients, {per_round} per round, {rounds} rounds, rank {rank}, "
                           f"task {task}, backend {backend}", markup=False)

@@ -591,7 +591,7 @@ def register(app: typer.Typer) -> None:
         seed: int = typer.Option(0, "--seed"),
     ) -> None:
         """Fine-tune an adapter for text classification; evaluate periodically; save and verify the reload."""
-        from rankwise.cli import _console, _progress, _settings
+        from rankwise.verbs import common
 
         if task is None and data is None:
             task = "topic"
@@ -600,9 +600,9 @@ def register(app: typer.Typer) -> None:
                           options=_parse_options(option or []), lr=lr, head_lr=head_lr, steps=steps,
                           batch_size=batch_size, max_length=max_length, eval_every=eval_every,
                           limit_train=limit_train, limit_eval=limit_eval, seed=seed)
-        console = _console()
-        quiet = _settings(ctx).quiet
-        res = run_finetune(job, progress=_progress(ctx), log=None if quiet else
+        console = common.console()
+        quiet = common.settings(ctx).quiet
+        res = run_finetune(job, progress=common.progress(ctx), log=None if quiet else
                            (lambda s: console.print(s, markup=False, soft_wrap=True)))
         console.print(f"{res.method}: held-out accuracy {res.accuracy:.4f} (loss {res.loss:.4f}) on {res.n_eval} "
                       f"examples after {len(res.train_losses)} steps; {res.adapter_parameters:,} adapter parameters; "

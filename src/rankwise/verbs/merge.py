@@ -140,12 +140,12 @@ def register(app: typer.Typer) -> None:
         overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing --out directory."),
     ) -> None:
         """Merge LoRA adapters (PEFT directories) into one rank-r LoRA (a PEFT directory)."""
-        from rankwise.cli import _console, _settings
+        from rankwise.verbs import common
 
         res = merge_dirs(adapters, method, rank, out, overwrite=overwrite, rule=rule, scale=scale, density=density,
                          drop_rate=drop_rate, beta=beta, seed=seed)
-        console = _console()
-        if not _settings(ctx).quiet and res.kept_energy:
+        console = common.console()
+        if not common.settings(ctx).quiet and res.kept_energy:
             for p, e in zip(adapters, res.kept_energy):
                 console.print(f"kept energy {e:.3f}  {p}", markup=False, soft_wrap=True)
         console.print(f"merged {res.n_adapters} adapters with {method} (rule {res.config.rule}) into rank {rank} on "

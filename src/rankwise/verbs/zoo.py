@@ -1,0 +1,39 @@
+"""``rankwise zoo build``: build (or check) the embedded offline models and data in the cache."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import typer
+
+from rankwise.core.errors import RankwiseError
+from rankwise.verbs import common
+
+
+def zoo_build_cmd(
+    ctx: typer.Context,
+    force: bool = typer.Option(False, "--force", help="Rebuild even what is already cached."),
+    size: str = typer.Option("small", "--size", help="Which set of models to build."),
+) -> None:
+    """Build (or check) the embedded offline models and data in the cache."""
+    try:
+        from rankwise import zoo
+
+        build = getattr(zoo, "build")
+    except (ImportError, AttributeError) as e:
+        raise RankwiseError(f"the model zoo cannot be built in this installation (rankwise.zoo.build is "
+                            f"not available: {e})") from None
+    params = inspect.signature(build).parameters
+    kwargs: dict[str, Any] = {"force": force, "size": size, "progress": common.progress(ctx)}
+    accepts_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    kwargs = {k: v for k, v in kwargs.items() if accepts_any or k in params}
+    result = build(**kwargs)
+    if result is not None and not common.settings(ctx).quiet:
+        common.console().print(result)
+
+
+def register(app: typer.Typer) -> None:
+    zoo_app = typer.Typer(help="Embedded offline models and data.", no_args_is_help=True)
+    zoo_app.command("build")(zoo_build_cmd)
+    app.add_typer(zoo_app, name="zoo")
