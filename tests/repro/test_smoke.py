@@ -14,7 +14,7 @@ import pytest
 
 from rankwise.core import registry
 from rankwise.repro.harness import reproduce
-from rankwise.repro.result import DEFAULT_SEEDS, ReproResult
+from rankwise.repro.result import DEFAULT_SEEDS, VERDICTS, ReproResult
 
 REPRO_IDS = [i for i in registry.all_ids() if registry.has_reproduction(i)]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -31,7 +31,8 @@ def test_smoke(id: str, tmp_path: Path) -> None:
     assert KEYS <= set(data), KEYS - set(data)
     assert data["id"] == id and data["mode"] == "smoke" and data["seeds"] == seeds
     assert isinstance(data["claim"], str) and data["claim"].strip()
-    assert data["verdict"] in ("holds", "does not hold")  # computed; its value is not asserted
+    assert data["verdict"] in VERDICTS  # computed; its value is not asserted
+    assert data["verdict"] == "holds" or data["reason"]
     assert data["wall_time_s"] > 0
     assert "torch" in data["environment"]
 
@@ -39,7 +40,8 @@ def test_smoke(id: str, tmp_path: Path) -> None:
     for c in data["checks"]:
         assert c["statement"].strip() and c["op"] in (">", ">=", "<", "<=")
         assert c["measured"] is not None, f"claim check {c['statement']!r} measured NaN"
-        assert isinstance(c["holds"], bool)
+        assert isinstance(c["holds"], bool) and c["kind"] in ("claim", "wiring")
+        assert c["status"] in ("holds", "does not hold", "inconclusive")
 
     table = data["table"]
     assert table["columns"] and table["rows"], "the table has the method and its baselines"

@@ -2,15 +2,21 @@
 validate what the module returns and save it.
 
 :func:`reproduce` is what ``rankwise reproduce`` and ``rankwise report`` call. A reproduction module
-``rankwise.repro.<id>`` defines ``run(mode, seeds, out_dir) -> ReproResult`` (see
-:mod:`rankwise.repro.result`); the harness adds everything around it:
+``rankwise.repro.<id>`` declares a :class:`~rankwise.repro.skeleton.Reproduction` (``REPRODUCTION``: its
+settings per mode, ``measure``, ``checks``, ``preconditions``, ``figures``), whose ``run`` does the
+per-run work (timing, environment, atomic figures, ``result.json``); a module that does not yet use
+the skeleton defines ``run(mode, seeds, out_dir) -> ReproResult`` itself. The harness adds everything
+around it:
+
+* ``overrides`` (``rankwise reproduce ID --set key=value``) change the mode's settings; they are
+  validated before anything runs, recorded in the result and part of the cache key;
 
 * the id is normalised by the registry (``swift-svd`` -> ``swift_svd``; an unknown id raises with the
   closest known id), and a paper without a reproduction module raises
   :class:`ReproductionUnavailable` naming its status;
 * the output folder is created and probed for writability *before* anything runs;
 * results are cached under ``<cache>/repro/<id>/<key>/`` (``<cache>`` is ``$RANKWISE_CACHE_DIR`` or
-  ``platformdirs.user_cache_dir("rankwise")``). The key hashes the mode, the seeds, the torch and
+  ``platformdirs.user_cache_dir("rankwise")``). The key hashes the mode, the seeds, the overrides, the torch and
   Python versions and the source code of the reproduction module together with every ``rankwise``
   module it imports, transitively, found by reading the ``import`` statements of each file with
   :mod:`ast` (imports inside functions count; imports computed at run time do not). A cache entry
@@ -23,6 +29,7 @@ validate what the module returns and save it.
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import importlib
 import json
@@ -36,7 +43,7 @@ from contextlib import contextmanager
 from importlib import metadata
 from pathlib import Path, PurePosixPath
 from types import ModuleType
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import rankwise
 from rankwise.core import registry
@@ -50,6 +57,7 @@ from rankwise.repro.result import (
     atomic_write_text,
     environment,
 )
+from rankwise.repro.skeleton import Reproduction, normalise_overrides
 
 log = logging.getLogger(__name__)
 
@@ -251,8 +259,12 @@ def _torch_version() -> str:
         return "?"
 
 
-def cache_key(id: str, mode: str, seeds: Sequence[int], code: str) -> str:
+def cache_key(id: str, mode: str, seeds: Sequence[int], code: str,
+              overrides: Mapping[str, Any] | None = None) -> str:
+    """The cache key: hashes the format, id, mode, seeds, code version, settings overrides, and the
+    torch and Python versions."""
     payload = {"format": CACHE_FORMAT, "id": id, "mode": mode, "seeds": list(seeds), "code": code,
+               "overrides": normalise_overrides(overrides),
                "torch": _torch_version(), "python": ".".join(platform.python_version_tuple()[:2])}
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:32]
 
@@ -272,13 +284,14 @@ def _copy_atomic(src: Path, dst: Path) -> None:
         raise
 
 
-def _load_cached(entry: Path, out: Path, key: str, mode: str, seeds: list[int]) -> ReproResult | None:
+def _load_cached(entry: Path, out: Path, key: str, mode: str, seeds: list[int],
+                 overrides: dict[str, Any]) -> ReproResult | None:
     file = entry / "result.json"
     if not file.is_file():
         return None
     try:
         result = ReproResult.load(file)
-        problems = _contract_problems(result, key, mode, seeds, entry)
+        problems = _contract_problems(result, key, mode, seeds, entry, overrides)
         if problems:
             raise ReproContractError("; ".join(problems))
     except Exception as e:  # a damaged entry is a miss, never an error
@@ -304,7 +317,7 @@ def _store(entry: Path, out: Path, result: ReproResult, code: str) -> None:
                 (tmp / name).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(out / name, tmp / name)
             meta = {"id": result.id, "mode": result.mode, "seeds": list(result.seeds), "code": code,
-                    "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
+                    "overrides": result.overrides, "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
             (tmp / "meta.json").write_text(json.dumps(meta, indent=2), encoding="utf-8")
             os.rename(tmp, entry)
         except OSError:
@@ -312,7 +325,7 @@ def _store(entry: Path, out: Path, result: ReproResult, code: str) -> None:
             if not (entry / "result.json").is_file():
                 raise
             return  # another process stored the same entry first
-        # One entry per (id, mode, seeds): drop the entries of older code versions.
+        # One entry per (id, mode, seeds, overrides): drop the entries of older code versions.
         for other in entry.parent.iterdir():
             if other == entry or other.name.startswith(".") or not other.is_dir():
                 continue
@@ -320,7 +333,8 @@ def _store(entry: Path, out: Path, result: ReproResult, code: str) -> None:
                 m = json.loads((other / "meta.json").read_text(encoding="utf-8"))
             except (OSError, ValueError):
                 continue
-            if m.get("mode") == result.mode and m.get("seeds") == list(result.seeds):
+            if (m.get("mode") == result.mode and m.get("seeds") == list(result.seeds)
+                    and m.get("overrides", {}) == result.overrides):
                 shutil.rmtree(other, ignore_errors=True)
     except OSError as e:
         log.warning("could not store %s in the cache (%s): %s", result.id, entry, e)
@@ -330,7 +344,8 @@ def _store(entry: Path, out: Path, result: ReproResult, code: str) -> None:
 # Result checks
 
 
-def _contract_problems(result: object, key: str, mode: str, seeds: list[int], folder: Path) -> list[str]:
+def _contract_problems(result: object, key: str, mode: str, seeds: list[int], folder: Path,
+                       overrides: dict[str, Any] | None = None) -> list[str]:
     if not isinstance(result, ReproResult):
         return [f"run() must return a ReproResult, got {type(result).__name__}"]
     problems = []
@@ -340,6 +355,8 @@ def _contract_problems(result: object, key: str, mode: str, seeds: list[int], fo
         problems.append(f"result.mode is {result.mode!r}, expected {mode!r}")
     if [int(s) for s in result.seeds] != list(seeds):
         problems.append(f"result.seeds is {list(result.seeds)}, expected {list(seeds)}")
+    if result.overrides != (overrides or {}):
+        problems.append(f"result.overrides is {result.overrides}, expected {overrides or {}}")
     if not isinstance(result.claim, str) or not result.claim.strip():
         problems.append("result.claim is empty")
     if not isinstance(result.table, Table):
@@ -375,6 +392,12 @@ def _spinner(enabled: bool, text: str) -> Iterator[None]:
 # The entry point
 
 
+def reproduction_class(module: ModuleType) -> type[Reproduction] | None:
+    """The :class:`~rankwise.repro.skeleton.Reproduction` a module declares (``REPRODUCTION``), if any."""
+    cls = getattr(module, "REPRODUCTION", None)
+    return cls if isinstance(cls, type) and issubclass(cls, Reproduction) else None
+
+
 def reproduce(
     id: str,
     mode: str = "quick",
@@ -383,6 +406,7 @@ def reproduce(
     use_cache: bool = True,
     progress: bool = False,
     *,
+    overrides: Mapping[str, Any] | None = None,
     module: ModuleType | None = None,
 ) -> ReproResult:
     """Run (or fetch from the cache) the reproduction of paper ``id``.
@@ -391,11 +415,15 @@ def reproduce(
         id: a spec id of :data:`~rankwise.core.registry.PAPERS` or a reference id (``swift-svd`` is
             accepted for ``swift_svd``).
         mode: ``"smoke"``, ``"quick"`` (default) or ``"full"``.
-        seeds: the seeds to run; default ``DEFAULT_SEEDS[mode]``.
+        seeds: the seeds to run; default: the mode's settings' ``seeds``, else ``DEFAULT_SEEDS[mode]``.
         out_dir: where ``result.json`` and the figures go; default ``runs/<id>``.
         use_cache: read and write the reproduction cache; ``False`` always recomputes and leaves the
             cache untouched.
         progress: show a spinner with the elapsed time on stderr.
+        overrides: settings to change from the mode's defaults, ``{name: value}``; values may be
+            strings as typed on the command line (``{"rank": "4", "targets": "query,value"}``). They
+            are validated before anything runs, recorded in the result and part of the cache key.
+            See ``<module>.REPRODUCTION.settings[mode]`` for the names.
         module: run this module instead of importing ``rankwise.repro.<id>`` (for tests and for
             reproductions that live outside the package).
 
@@ -408,15 +436,26 @@ def reproduce(
         ReproductionUnavailable: the paper has no reproduction module.
         PermissionError: ``out_dir`` cannot be written (raised before anything runs).
         ReproContractError: the module's ``run`` returned a result that breaks the contract.
-        ValueError, TypeError: bad ``mode`` or ``seeds``.
+        ValueError, TypeError: bad ``mode``, ``seeds`` or ``overrides``.
     """
     mode = validate_mode(mode)
-    seeds = resolve_seeds(mode, seeds)
     key = registry.normalize_id(id)
     mod = module if module is not None else load_module(key)
-    run = getattr(mod, "run", None)
-    if not callable(run):
-        raise ReproContractError(f"{mod.__name__} defines no run(mode, seeds, out_dir) function")
+    cls = reproduction_class(mod)
+    norm = normalise_overrides(overrides)
+    if cls is not None:
+        settings = cls.settings_for(mode, overrides)  # validates the overrides before anything runs
+        if seeds is None and settings.seeds is not None:
+            seeds = settings.seeds
+        run = functools.partial(cls.run, overrides=overrides)
+    else:
+        if norm:
+            raise ValueError(f"{key} has no settings to override (its module does not use the reproduction "
+                             f"skeleton); got {', '.join(norm)}")
+        run = getattr(mod, "run", None)
+        if not callable(run):
+            raise ReproContractError(f"{mod.__name__} defines no run(mode, seeds, out_dir) function")
+    seeds = resolve_seeds(mode, seeds)
     out = ensure_writable(out_dir if out_dir is not None else default_out_dir(key))
 
     entry: Path | None = None
@@ -426,24 +465,26 @@ def reproduce(
         if code is None:
             log.info("%s: source not available, not caching", mod.__name__)
         else:
-            entry = cache_dir() / key / cache_key(key, mode, seeds, code)
-            hit = _load_cached(entry, out, key, mode, seeds)
+            entry = cache_dir() / key / cache_key(key, mode, seeds, code, norm)
+            hit = _load_cached(entry, out, key, mode, seeds, norm)
             if hit is not None:
                 return hit
 
-    log.info("%s: running %s (%s, seeds %s) into %s", key, mod.__name__, mode, seeds, out)
-    t0 = time.perf_counter()
+    log.info("%s: running %s (%s, seeds %s, overrides %s) into %s", key, mod.__name__, mode, seeds, norm, out)
+    t0, c0 = time.perf_counter(), time.process_time()
     with _spinner(progress, f"reproducing {key} ({mode}, seeds {', '.join(map(str, seeds))})"):
         result = run(mode, list(seeds), out)
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
 
-    problems = _contract_problems(result, key, mode, seeds, out)
+    problems = _contract_problems(result, key, mode, seeds, out, norm)
     if problems:
         raise ReproContractError(f"{mod.__name__}.run broke the reproduction contract: "
                                  + "; ".join(problems))
     assert isinstance(result, ReproResult)
     if not result.wall_time_s:
         result.wall_time_s = wall
+    if not result.cpu_time_s:
+        result.cpu_time_s = cpu
     if not result.environment:
         result.environment = environment(seeds)
     result.save(out)

@@ -14,7 +14,10 @@ order, optimizer (AdamW, linear schedule with warm-up, gradient clipping) and bu
 rankwise and PEFT are trained in lock step on the same batches (:func:`rankwise.train.finetune.lockstep`,
 alternating which goes first), with per-step dropout seeds, so their dropout masks agree too.
 
-Claims checked (the claim of the reference method, and that rankwise implements it faithfully):
+Checks ((a)-(c) are ``wiring`` checks, identities only a bug can break; (d) and (e) are ``claim`` checks,
+(d) with its paired per-example accuracy differences, so its bootstrap interval is reported; (f) is a
+precondition: when it fails the verdict is ``inconclusive``). The sizes, model, targets, rank and learning
+rates are :class:`LoraSettings` (``SETTINGS[mode]``; ``rankwise reproduce lora --set rank=4``):
 
 (a) the same factors give the same logits: max |logit difference| rankwise vs PEFT <= 1e-5, measured
     with identical *non-zero* factors (at the true init B = 0 both equal the base model trivially);
@@ -45,17 +48,17 @@ up to 3e-2, two epochs of 8 (60 steps) did not.
 from __future__ import annotations
 
 import copy
-import math
+import dataclasses
 import statistics
-import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
 from rankwise.adapt import lora
 from rankwise.core.lora import lora_layers
-from rankwise.repro.result import ClaimCheck, ReproResult, Table, environment
+from rankwise.repro.result import ClaimCheck, Precondition, Table
+from rankwise.repro.skeleton import Records, Reproduction, Settings, pyplot, save_figure, setting
 from rankwise.train.finetune import (
     FinetuneConfig,
     Trainer,
@@ -65,24 +68,41 @@ from rankwise.train.finetune import (
 )
 
 ID = "lora"
-TASK = "kind"
 CLAIM = ("LoRA (rank 8 on query/value, head trainable) fine-tunes a pretrained encoder about as well as full "
          "fine-tuning, and rankwise's LoRA is the same computation as PEFT's: the same logits and loss curve from "
          "the same initialisation, the same accuracy, and no slower per training step.")
 
-RANK, ALPHA, LORA_DROPOUT, TARGETS = 8, 16.0, 0.1, ("query", "value")
-LR_LORA, LR_FULL = 5e-3, 3e-4
 
-SETTINGS: dict[str, dict[str, Any]] = {
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoraSettings(Settings):
+    """What the LoRA reproduction runs; ``SETTINGS[mode]`` holds each mode's values."""
+
+    model: str = setting("all-MiniLM-L6-v2", "the pretrained encoder (zoo.minilm_classifier)",
+                         choices=("all-MiniLM-L6-v2",))
+    task: str = setting("kind", "zoo text task (rankwise.zoo.text_task)")
+    max_train: int | None = setting(240, "training examples (cap // labels per class; None: all)", lo=1)
+    max_test: int | None = setting(120, "test examples (None: the whole test set)", lo=1)
+    steps: int | None = setting(None, "training steps (None: epochs over the training set)", lo=1)
+    epochs: float = setting(2.0, "epochs over the training subset when steps is None", lo=0.0)
+    batch_size: int = setting(8, "examples per step", lo=1)
+    max_length: int = setting(32, "tokens per input", lo=1)
+    head_only: bool = setting(False, "also train a head-only (frozen encoder) baseline")
+    rank: int = setting(8, "LoRA rank", lo=1)
+    alpha: float = setting(16.0, "LoRA alpha (scale alpha / rank)", lo=0.0)
+    lora_dropout: float = setting(0.1, "LoRA dropout", lo=0.0, hi=1.0)
+    targets: tuple[str, ...] = setting(("query", "value"), "adapted module names (LoRA and PEFT)")
+    lr_lora: float = setting(5e-3, "learning rate of both LoRAs (and the head-only baseline)", lo=0.0)
+    lr_full: float = setting(3e-4, "learning rate of full fine-tuning", lo=0.0)
+
+
+SETTINGS: dict[str, LoraSettings] = {
     # max_train / max_test cap the task (cap // 3 per class); epochs over the training subset
-    "smoke": dict(max_train=24, max_test=12, steps=3, batch_size=8, max_length=16, head_only=False),
-    "quick": dict(max_train=240, max_test=120, steps=None, epochs=2.0, batch_size=8, max_length=32,
-                  head_only=False),
-    "full": dict(max_train=600, max_test=None, steps=None, epochs=2.0, batch_size=8, max_length=64,
-                 head_only=True),
+    "smoke": LoraSettings(max_train=24, max_test=12, steps=3, epochs=1.0, batch_size=8, max_length=16),
+    "quick": LoraSettings(),
+    "full": LoraSettings(max_train=600, max_test=None, epochs=2.0, batch_size=8, max_length=64, head_only=True),
 }
 
-# tolerances / thresholds of the claims
+# tolerances / thresholds of the claims (stated before any run)
 TOL_LOGITS = 1e-5
 TOL_LOSS = 1e-4
 TOL_ACC_PEFT = 0.01
@@ -95,12 +115,12 @@ COLUMNS = ["accuracy", "final loss", "trainable", "step (ms)", "time / PEFT", "�
            "Δlogit end"]
 
 
-def _peft_lora(model: torch.nn.Module) -> torch.nn.Module:
+def _peft_lora(model: torch.nn.Module, S: LoraSettings) -> torch.nn.Module:
     """PEFT's LoRA on ``model`` with the same rank/alpha/dropout/targets; SEQ_CLS keeps the head trainable."""
     import peft
 
-    cfg = peft.LoraConfig(task_type="SEQ_CLS", r=RANK, lora_alpha=ALPHA, lora_dropout=LORA_DROPOUT,
-                          target_modules=list(TARGETS))
+    cfg = peft.LoraConfig(task_type="SEQ_CLS", r=S.rank, lora_alpha=S.alpha, lora_dropout=S.lora_dropout,
+                          target_modules=list(S.targets))
     with torch.random.fork_rng(devices=[]):  # PEFT draws its own A from the global RNG; we overwrite it
         return peft.get_peft_model(model, cfg)
 
@@ -168,24 +188,29 @@ def _final_loss(losses: list[float]) -> float:
     return statistics.fmean(losses[-k:])
 
 
-def _run_seed(seed: int, S: dict[str, Any], table: Table, extra: dict[str, Any]) -> dict[str, Any]:
+def _correct(ev: Any, test: list[tuple[str, int]]) -> list[float]:
+    """1.0 / 0.0 per test example: whether the prediction is right (the accuracy's terms)."""
+    y = torch.tensor([label for _, label in test], dtype=torch.long)
+    return (ev.logits.argmax(-1) == y).double().tolist()
+
+
+def _measure(seed: int, S: LoraSettings) -> dict[str, Any]:
     from rankwise import zoo
 
-    task = zoo.text_task(TASK, seed=seed, max_train=S["max_train"], max_test=S["max_test"])
+    task = zoo.text_task(S.task, seed=seed, max_train=S.max_train, max_test=S.max_test)
     base, tok = zoo.minilm_classifier(task.num_labels, seed=seed)
-    common = dict(epochs=S.get("epochs", 1.0), steps=S["steps"], batch_size=S["batch_size"],
-                  max_length=S["max_length"], seed=seed)
-    cfg_lora = FinetuneConfig(lr=LR_LORA, **common)
-    cfg_full = FinetuneConfig(lr=LR_FULL, **common)
+    common = dict(epochs=S.epochs, steps=S.steps, batch_size=S.batch_size, max_length=S.max_length, seed=seed)
+    cfg_lora = FinetuneConfig(lr=S.lr_lora, **common)
+    cfg_full = FinetuneConfig(lr=S.lr_full, **common)
     batches = make_batches(tok, task.train, cfg_lora)
     steps = len(batches)
 
     # the three models: one load, two copies
     rw = copy.deepcopy(base)
-    lora.adapt(rw, lora.LoraConfig(rank=RANK, alpha=ALPHA, dropout=LORA_DROPOUT, target=TARGETS, seed=seed))
+    lora.adapt(rw, lora.LoraConfig(rank=S.rank, alpha=S.alpha, dropout=S.lora_dropout, target=S.targets, seed=seed))
     for p in rw.classifier.parameters():  # what PEFT's SEQ_CLS modules_to_save does
         p.requires_grad_(True)
-    pm = _peft_lora(copy.deepcopy(base))
+    pm = _peft_lora(copy.deepcopy(base), S)
     pairs = _pairs(rw, pm)
     _copy_factors(pairs)
     full = base
@@ -194,7 +219,7 @@ def _run_seed(seed: int, S: dict[str, Any], table: Table, extra: dict[str, Any])
 
     n_check = min(16, len(task.test))
     zero_diff, init_diff = _init_logit_diff(rw, pm, pairs, tok, [t for t, _ in task.test[:n_check]],
-                                            S["max_length"], seed)
+                                            S.max_length, seed)
 
     trainers = {"rankwise": Trainer(rw, cfg_lora, steps), "peft": Trainer(pm, cfg_lora, steps)}
     n_rw = sum(p.numel() for p in trainers["rankwise"].params)
@@ -206,55 +231,118 @@ def _run_seed(seed: int, S: dict[str, Any], table: Table, extra: dict[str, Any])
     for b in batches:
         t_full.step(b)
 
-    ev = {k: evaluate(m, tok, task.test, max_length=S["max_length"])
+    ev = {k: evaluate(m, tok, task.test, max_length=S.max_length)
           for k, m in (("rankwise", rw), ("peft", pm), ("full", full))}
     curves = {"rankwise": trainers["rankwise"].losses, "peft": trainers["peft"].losses, "full": t_full.losses}
     times = {"rankwise": trainers["rankwise"].step_times, "peft": trainers["peft"].step_times,
              "full": t_full.step_times}
-    head = None
-    if S["head_only"]:
+    trained = {"rankwise": trainers["rankwise"], "peft": trainers["peft"], "full": t_full}
+    if S.head_only:
         probe, _ = zoo.minilm_classifier(task.num_labels, seed=seed)
         for n, p in probe.named_parameters():
             p.requires_grad_(n.startswith("classifier."))
         t_head = Trainer(probe, cfg_lora, steps)
         for b in batches:
             t_head.step(b)
-        head = (t_head, evaluate(probe, tok, task.test, max_length=S["max_length"]))
-        curves["head"], times["head"] = t_head.losses, t_head.step_times
+        ev["head"] = evaluate(probe, tok, task.test, max_length=S.max_length)
+        curves["head"], times["head"], trained["head"] = t_head.losses, t_head.step_times, t_head
 
-    loss_diff = max(abs(a - b) for a, b in zip(curves["rankwise"], curves["peft"]))
-    test_diff = float((ev["rankwise"].logits - ev["peft"].logits).abs().max())
-    ratio = _median_ratio(times["rankwise"], times["peft"])
-    rows = [("rankwise LoRA", "rankwise", trainers["rankwise"]), ("PEFT LoRA", "peft", trainers["peft"]),
-            ("full fine-tuning", "full", t_full)]
-    for row, key, tr in rows:
-        table.add(row, "accuracy", ev[key].accuracy)
-        table.add(row, "final loss", _final_loss(curves[key]))
-        table.add(row, "trainable", sum(p.numel() for p in tr.params))
-        table.add(row, "step (ms)", 1e3 * statistics.median(times[key]))
-    if head is not None:
-        t_head, ev_head = head
-        table.add(ROWS[3], "accuracy", ev_head.accuracy)
-        table.add(ROWS[3], "final loss", _final_loss(t_head.losses))
-        table.add(ROWS[3], "trainable", sum(p.numel() for p in t_head.params))
-        table.add(ROWS[3], "step (ms)", 1e3 * statistics.median(t_head.step_times))
-    table.add("rankwise LoRA", "time / PEFT", ratio)
-    table.add("rankwise LoRA", "Δlogit init", init_diff)
-    table.add("rankwise LoRA", "Δloss max", loss_diff)
-    table.add("rankwise LoRA", "Δlogit end", test_diff)
-
-    extra.setdefault("curves", {})[str(seed)] = curves
-    extra.setdefault("step_times_s", {})[str(seed)] = times
-    extra.setdefault("logit_diff_at_init_B0", {})[str(seed)] = zero_diff
     return {"steps": steps, "n_train": len(task.train), "n_test": len(task.test), "labels": task.labels,
-            "init_diff": init_diff, "loss_diff": loss_diff, "ratio": ratio, "chance": 1.0 / task.num_labels}
+            "chance": 1.0 / task.num_labels, "zero_diff": zero_diff, "init_diff": init_diff,
+            "loss_diff": max(abs(a - b) for a, b in zip(curves["rankwise"], curves["peft"])),
+            "test_diff": float((ev["rankwise"].logits - ev["peft"].logits).abs().max()),
+            "ratio": _median_ratio(times["rankwise"], times["peft"]),
+            "accuracy": {k: e.accuracy for k, e in ev.items()},
+            "correct": {k: _correct(e, task.test) for k, e in ev.items()},
+            "trainable": {k: sum(p.numel() for p in tr.params) for k, tr in trained.items()},
+            "curves": curves, "times": times}
 
 
-def _figure(out_dir: Path, table: Table, extra: dict[str, Any], seeds: list[int]) -> str:
-    import matplotlib
+ROW_KEYS = (("rankwise LoRA", "rankwise"), ("PEFT LoRA", "peft"), ("full fine-tuning", "full"),
+            ("head only (frozen encoder)", "head"))
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+
+class LoraReproduction(Reproduction[LoraSettings, dict]):
+    id = ID
+    claim = CLAIM
+    settings = SETTINGS
+
+    def measure(self, settings: LoraSettings, seed: int) -> dict[str, Any]:
+        return _measure(seed, settings)
+
+    def table(self, settings: LoraSettings, records: Records[dict]) -> Table:
+        table = Table(columns=list(COLUMNS), notes={
+            "accuracy": "test accuracy, higher is better",
+            "final loss": "training loss, mean over the last fifth of the steps",
+            "trainable": "trained parameters",
+            "step (ms)": "median forward + backward + optimizer step, under whatever load the machine had",
+            "time / PEFT": "median over steps of t_rankwise / t_PEFT of the same lock-stepped step",
+            "Δlogit init": "max |logit rankwise - PEFT|, same non-zero A and B in both, eval mode",
+            "Δloss max": "max over steps of |training loss rankwise - PEFT|",
+            "Δlogit end": "max |test logit rankwise - PEFT| after training",
+        })
+        for r in records:
+            for row, key in ROW_KEYS:
+                if key not in r["accuracy"]:
+                    continue
+                table.add(row, "accuracy", r["accuracy"][key])
+                table.add(row, "final loss", _final_loss(r["curves"][key]))
+                table.add(row, "trainable", r["trainable"][key])
+                table.add(row, "step (ms)", 1e3 * statistics.median(r["times"][key]))
+            table.add("rankwise LoRA", "time / PEFT", r["ratio"])
+            table.add("rankwise LoRA", "Δlogit init", r["init_diff"])
+            table.add("rankwise LoRA", "Δloss max", r["loss_diff"])
+            table.add("rankwise LoRA", "Δlogit end", r["test_diff"])
+        self._table = table
+        return table
+
+    def preconditions(self, settings: LoraSettings, records: Records[dict]) -> list[Precondition]:
+        acc_rw = self._table.mean("rankwise LoRA", "accuracy")
+        return [Precondition("LoRA learns the task (else (d) compares two models at chance): mean accuracy LoRA - "
+                             "chance", acc_rw - records.first["chance"], ">", MIN_ABOVE_CHANCE)]
+
+    def checks(self, settings: LoraSettings, records: Records[dict]) -> list[ClaimCheck]:
+        table = self._table
+        acc_rw = table.mean("rankwise LoRA", "accuracy")
+        acc_pm = table.mean("PEFT LoRA", "accuracy")
+        acc_full = table.mean("full fine-tuning", "accuracy")
+        ratio = statistics.median(table.values("rankwise LoRA", "time / PEFT"))
+        paired = [[a - b for a, b in zip(r["correct"]["rankwise"], r["correct"]["full"])] for r in records]
+        return [
+            ClaimCheck("(a) same factors give the same logits: max |logit rankwise - PEFT| (non-zero A, B)",
+                       max(r["init_diff"] for r in records), "<=", TOL_LOGITS, kind="wiring"),
+            ClaimCheck("(b) same loss curve: max over steps of |loss rankwise - loss PEFT| (float32 op-order "
+                       "tolerance)", max(r["loss_diff"] for r in records), "<=", TOL_LOSS, unit="nats", kind="wiring"),
+            ClaimCheck("(c) same accuracy: |mean accuracy rankwise LoRA - PEFT LoRA|", abs(acc_rw - acc_pm), "<=",
+                       TOL_ACC_PEFT, kind="wiring"),
+            ClaimCheck("(d) LoRA roughly matches full fine-tuning: mean accuracy LoRA - full fine-tuning",
+                       acc_rw - acc_full, ">=", -MARGIN_FULL, samples=paired),
+            ClaimCheck("(e) rankwise no slower than PEFT: median per-step time ratio rankwise / PEFT", ratio, "<=",
+                       MAX_TIME_RATIO, unit="x"),
+        ]
+
+    def figures(self, settings: LoraSettings, records: Records[dict], out_dir: Path) -> list[str]:
+        return [_figure(out_dir, self._table, self.extra(settings, records), records.seeds, settings.task)]
+
+    def extra(self, settings: LoraSettings, records: Records[dict]) -> dict[str, Any]:
+        return {"curves": {str(s): r["curves"] for s, r in records.items()},
+                "step_times_s": {str(s): r["times"] for s, r in records.items()},
+                "logit_diff_at_init_B0": {str(s): r["zero_diff"] for s, r in records.items()},
+                "chance": records.first["chance"]}
+
+    def config(self, settings: LoraSettings, records: Records[dict]) -> dict[str, Any]:
+        info = records.first
+        return {"labels": info["labels"], "n_train": info["n_train"], "n_test": info["n_test"],
+                "steps": info["steps"], "optimizer": "AdamW", "weight_decay": 0.0, "schedule": "linear, 6% warm-up",
+                "grad_clip": 1.0, "model": "all-MiniLM-L6-v2 + seeded head (zoo.minilm_classifier)",
+                "threads": torch.get_num_threads()}
+
+    def notes(self, settings: LoraSettings, records: Records[dict]) -> str:
+        return _notes(settings, self._table, list(records), records.first)
+
+
+def _figure(out_dir: Path, table: Table, extra: dict[str, Any], seeds: list[int], task: str) -> str:
+    plt = pyplot()
     import numpy as np
 
     curves = extra["curves"]
@@ -309,88 +397,20 @@ def _figure(out_dir: Path, table: Table, extra: dict[str, Any], seeds: list[int]
                                      for r in rows], fontsize=8)
     ax.set_ylim(0, 1)
     ax.set_ylabel("test accuracy")
-    ax.set_title(f"task '{TASK}' (bars: mean ± std over seeds)", fontsize=10)
+    ax.set_title(f"task '{task}' (bars: mean ± std over seeds)", fontsize=10)
     fig.tight_layout()
-    name = "lora.png"
-    fig.savefig(out_dir / name, dpi=110)
-    plt.close(fig)
-    return name
+    return save_figure(fig, out_dir / "lora.png")
 
 
-def run(mode: str, seeds: Sequence[int], out_dir: Path) -> ReproResult:
-    """Run the LoRA reproduction in ``mode`` ("smoke", "quick" or "full") for ``seeds``.
-
-    Writes ``lora.png`` and ``result.json`` into ``out_dir`` and returns the :class:`ReproResult`.
-    """
-    if mode not in SETTINGS:
-        raise ValueError(f"mode must be one of {list(SETTINGS)}, got {mode!r}")
-    seeds = [int(s) for s in seeds]
-    if not seeds:
-        raise ValueError("seeds must hold at least one seed")
-    t0, c0 = time.perf_counter(), time.process_time()
-    S = SETTINGS[mode]
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    table = Table(columns=list(COLUMNS), notes={
-        "accuracy": "test accuracy, higher is better",
-        "final loss": "training loss, mean over the last fifth of the steps",
-        "trainable": "trained parameters",
-        "step (ms)": "median forward + backward + optimizer step, under whatever load the machine had",
-        "time / PEFT": "median over steps of t_rankwise / t_PEFT of the same lock-stepped step",
-        "Δlogit init": "max |logit rankwise - PEFT|, same non-zero A and B in both, eval mode",
-        "Δloss max": "max over steps of |training loss rankwise - PEFT|",
-        "Δlogit end": "max |test logit rankwise - PEFT| after training",
-    })
-    extra: dict[str, Any] = {}
-    per_seed = [_run_seed(s, S, table, extra) for s in seeds]
-    info = per_seed[0]
-    extra["chance"] = info["chance"]
-
-    acc_rw = table.mean("rankwise LoRA", "accuracy")
-    acc_pm = table.mean("PEFT LoRA", "accuracy")
-    acc_full = table.mean("full fine-tuning", "accuracy")
-    ratio = statistics.median(table.values("rankwise LoRA", "time / PEFT"))
-    checks = [
-        ClaimCheck("(a) same factors give the same logits: max |logit rankwise - PEFT| (non-zero A, B)",
-                   max(p["init_diff"] for p in per_seed), "<=", TOL_LOGITS),
-        ClaimCheck("(b) same loss curve: max over steps of |loss rankwise - loss PEFT| (float32 op-order tolerance)",
-                   max(p["loss_diff"] for p in per_seed), "<=", TOL_LOSS, unit="nats"),
-        ClaimCheck("(c) same accuracy: |mean accuracy rankwise LoRA - PEFT LoRA|", abs(acc_rw - acc_pm), "<=",
-                   TOL_ACC_PEFT),
-        ClaimCheck("(d) LoRA roughly matches full fine-tuning: mean accuracy LoRA - full fine-tuning",
-                   acc_rw - acc_full, ">=", -MARGIN_FULL),
-        ClaimCheck("(e) rankwise no slower than PEFT: median per-step time ratio rankwise / PEFT", ratio, "<=",
-                   MAX_TIME_RATIO, unit="x"),
-        ClaimCheck("(f) precondition of (d), LoRA learns the task: mean accuracy LoRA - chance",
-                   acc_rw - info["chance"], ">", MIN_ABOVE_CHANCE),
-    ]
-    figures = [_figure(out_dir, table, extra, seeds)]
-    notes = _notes(mode, table, per_seed, info)
-    config = {
-        "task": TASK, "labels": info["labels"], "n_train": info["n_train"], "n_test": info["n_test"],
-        "steps": info["steps"], "epochs": S.get("epochs"), "batch_size": S["batch_size"],
-        "max_length": S["max_length"], "rank": RANK, "alpha": ALPHA, "lora_dropout": LORA_DROPOUT,
-        "targets": list(TARGETS), "lr_lora": LR_LORA, "lr_full": LR_FULL, "optimizer": "AdamW",
-        "weight_decay": 0.0, "schedule": "linear, 6% warm-up", "grad_clip": 1.0,
-        "model": "all-MiniLM-L6-v2 + seeded head (zoo.minilm_classifier)", "threads": torch.get_num_threads(),
-        "cpu_time_s": round(time.process_time() - c0, 1),
-    }
-    result = ReproResult(id=ID, mode=mode, seeds=seeds, claim=CLAIM, table=table, checks=checks,
-                         figures=figures, notes=notes, config=config,
-                         wall_time_s=time.perf_counter() - t0, environment=environment(seeds), extra=extra)
-    result.save(out_dir)
-    return result
-
-
-def _notes(mode: str, table: Table, per_seed: list[dict[str, Any]], info: dict[str, Any]) -> str:
+def _notes(S: LoraSettings, table: Table, per_seed: list[dict[str, Any]], info: dict[str, Any]) -> str:
     acc = {r: table.mean(r, "accuracy") for r in ROWS if table.values(r, "accuracy")}
     lines = [
-        f"Task '{TASK}' of rankwise.zoo (3 balanced classes: class / function / method docstrings; "
+        f"Task '{S.task}' of rankwise.zoo (3 balanced classes: class / function / method docstrings; "
         f"{info['n_train']} training and {info['n_test']} test examples here). Chosen because it is learnable but "
         "not trivial for the pretrained encoder: a logistic regression on frozen mean-pooled MiniLM embeddings "
         "reaches only about 0.65 on it (chance 0.33; measured with 400 training examples), the lowest of the "
         "seven zoo tasks measured, so fine-tuning has room to help and differences between methods are visible.",
-        f"Mean test accuracy: " + ", ".join(f"{r} {a:.3f}" for r, a in acc.items()) + ".",
+        "Mean test accuracy: " + ", ".join(f"{r} {a:.3f}" for r, a in acc.items()) + ".",
         "rankwise and PEFT compute the same thing in the same order (base output, then B(A(dropout(x))) * s "
         "added), so with the same factors, batches and per-step dropout seeds their logits and losses should "
         "agree up to float32 reordering: " + (
@@ -401,15 +421,19 @@ def _notes(mode: str, table: Table, per_seed: list[dict[str, Any]], info: dict[s
         "Step times are wall-clock under whatever load the machine had; the ratio (e) pairs each rankwise step "
         "with the PEFT step on the same batch, run back to back in alternating order, which cancels most drift.",
     ]
-    if mode == "smoke":
+    if S == SETTINGS["smoke"]:
         lines.append("Smoke mode: 3 steps on a tiny subset; it checks the wiring and its verdict means nothing "
-                     "(claim (f), that LoRA learned the task, cannot hold after 3 steps).")
-    elif mode == "quick":
+                     "(the precondition, that LoRA learned the task, cannot hold after 3 steps).")
+    elif S == SETTINGS["quick"]:
         lines.append("Quick mode trains two epochs on 240 examples (60 steps of 8) with inputs cut at 32 tokens "
                      "(the median length) and tests on 120 examples: enough to separate the methods from chance, "
                      "too little to rank full fine-tuning and LoRA finely; full mode (600 examples, 150 steps, "
                      "64 tokens, the whole test set, a frozen-encoder baseline) is the better estimate for (d).")
-    else:
+    elif S.head_only:
         lines.append("The head-only row trains just the classification head (the encoder frozen) on the same batches "
                      "with the LoRA learning rate; it shows how much of the accuracy comes from adapting the encoder.")
     return "\n".join(lines)
+
+
+REPRODUCTION = LoraReproduction
+run = LoraReproduction.run

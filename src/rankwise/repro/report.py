@@ -27,7 +27,7 @@ from rankwise.repro.result import BUDGET_S, ReproResult, _clean, atomic_write_te
 
 log = logging.getLogger(__name__)
 
-OUTCOMES = ("holds", "does not hold", "error", "not run", "no reproduction")
+OUTCOMES = ("holds", "does not hold", "inconclusive", "wiring only", "error", "not run", "no reproduction")
 
 
 @dataclass
@@ -145,6 +145,13 @@ def _error_text(e: BaseException) -> str:
     return f"{type(e).__name__}: {msg}" if msg else type(e).__name__
 
 
+def _check_summary(c: Any) -> dict[str, Any]:
+    """What summary.json says of one check: statement, kind, status, measured, threshold, interval."""
+    d = c.to_json()
+    keys = ("statement", "kind", "status", "measured", "op", "threshold", "margin", "ci", "ci_level", "to_decide")
+    return {k: d[k] for k in keys if k in d}
+
+
 def _copy_artifacts(id: str, result: ReproResult, out: Path) -> list[str]:
     """Copy figures and result.json to ``out/<id>/``; return the figures that could not be found."""
     dest = out / id
@@ -171,6 +178,7 @@ th{background:#f5f5f7} td.num{text-align:right;font-variant-numeric:tabular-nums
 .badge{display:inline-block;padding:.08rem .5rem;border-radius:.8rem;font-size:.8rem;font-weight:600;
  white-space:nowrap}
 .holds{background:#d4f5dc;color:#0a5c22} .does-not-hold{background:#fde2d6;color:#8a2c06}
+.inconclusive{background:#fff3c4;color:#6b5200} .wiring-only{background:#e0f0ff;color:#1a3f7a}
 .error{background:#f8d0d0;color:#8a0000} .not-run,.no-reproduction,.unknown{background:#eee;color:#555}
 .planned{background:#eee;color:#555} .implemented{background:#e3ecfb;color:#1a3f7a}
 .reproduced{background:#dff3f3;color:#0c5656} .warn{color:#8a2c06}
@@ -193,18 +201,36 @@ def _kv_table(d: Mapping[str, Any]) -> str:
 
 def _result_section(id: str, result: ReproResult, missing: list[str]) -> str:
     parts = [f"<p><b>Claim.</b> {_esc(result.claim)}</p>"]
-    parts.append(f"<p><b>Verdict:</b> {_badge(result.verdict)} "
+    verdict = _badge(result.verdict).replace(f">{_esc(result.verdict)}<", f">{_esc(result.verdict_text)}<")
+    parts.append(f"<p><b>Verdict:</b> {verdict} "
                  f"<span class='muted'>smallest margin {_esc(_signed(result.margin))}</span></p>")
+    if result.reason and result.verdict != "holds":
+        parts.append(f"<p><b>Why:</b> {_esc(result.reason)}</p>")
+    if result.overrides:
+        parts.append(f"<p><b>Settings changed:</b> "
+                     f"{_esc(', '.join(f'{k}={v}' for k, v in result.overrides.items()))}</p>")
+    if result.preconditions:
+        rows = [f"<tr><td>{_esc(p.statement)}</td><td class='num'>{_esc(_num(p.measured))}"
+                f"{_esc(' ' + p.unit if p.unit else '')}</td><td class='num'>{_esc(p.op)} {_esc(_num(p.threshold))}"
+                f"</td><td>{_badge('holds' if p.holds else 'inconclusive').replace('>inconclusive<', '>failed<')}"
+                f"</td></tr>" for p in result.preconditions]
+        parts.append("<table><tr><th>Precondition</th><th>Measured</th><th>Needs</th><th>Met</th></tr>"
+                     + "".join(rows) + "</table>")
     rows = []
     for c in result.checks:
         u = f" {c.unit}" if c.unit else ""
+        ci = (f"[{_num(c.ci[0])}, {_num(c.ci[1])}]" if c.ci is not None else "–")
+        need = c.to_decide
+        if need is not None:
+            ci += f" (about {need[0]} {need[1]} would decide it)" if need[0] is not None else " (on the threshold)"
         rows.append(
-            f"<tr><td>{_esc(c.statement)}</td><td class='num'>{_esc(_num(c.measured))}{_esc(u)}</td>"
+            f"<tr><td>{_esc(c.statement)}</td><td>{_esc(c.kind)}</td>"
+            f"<td class='num'>{_esc(_num(c.measured))}{_esc(u)}</td>"
             f"<td class='num'>{_esc(c.op)} {_esc(_num(c.threshold))}{_esc(u)}</td>"
-            f"<td class='num'>{_esc(_signed(c.margin))}</td>"
-            f"<td>{_badge('holds' if c.holds else 'does not hold')}</td><td>{_esc(c.note)}</td></tr>")
-    parts.append("<table><tr><th>Claim check</th><th>Measured</th><th>Threshold</th><th>Margin</th>"
-                 "<th>Holds</th><th>Note</th></tr>" + "".join(rows) + "</table>")
+            f"<td class='num'>{_esc(_signed(c.margin))}</td><td class='num'>{_esc(ci)}</td>"
+            f"<td>{_badge(c.status)}</td><td>{_esc(c.note)}</td></tr>")
+    parts.append("<table><tr><th>Check</th><th>Kind</th><th>Measured</th><th>Threshold</th><th>Margin</th>"
+                 "<th>95% interval</th><th>Status</th><th>Note</th></tr>" + "".join(rows) + "</table>")
 
     t = result.table
     head = "".join(
@@ -274,7 +300,10 @@ def build_report(
         margin = wall = ""
         if isinstance(value, ReproResult):
             missing = _copy_artifacts(id, value, out)
-            rec.update(verdict=value.verdict, margin=_clean(value.margin),  # strict JSON: NaN -> None, inf -> "inf"
+            rec.update(verdict=value.verdict, verdict_text=value.verdict_text, reason=value.reason,
+                       margin=_clean(value.margin),  # strict JSON: NaN -> None, inf -> "inf"
+                       checks=[_check_summary(c) for c in value.checks],
+                       preconditions=[p.to_json() for p in value.preconditions], overrides=value.overrides,
                        mode=value.mode, seeds=list(value.seeds), wall_time_s=value.wall_time_s,
                        cache_hit=value.cache_hit, result_json=f"{id}/result.json",
                        figures=[f"{id}/{f}" for f in value.figures], missing_figures=missing)
@@ -320,8 +349,11 @@ def build_report(
 <h1>rankwise reproductions</h1>
 <p class="muted">rankwise {_esc(__version__)} · mode {_esc(shown_mode)} · generated {_esc(generated)}</p>
 <p>{_esc(len(registry.PAPERS))} papers ({_esc(status_text)}) and {_esc(len(registry.REFERENCES))} reference
-method(s). Reproductions: {_esc(count_text or 'none')}. A verdict is computed from the measured numbers:
-a claim holds when every one of its checks holds.</p>
+method(s). Reproductions: {_esc(count_text or 'none')}. A verdict is computed from the measured numbers,
+never set by hand: it rests on the <i>claim</i> checks (the <i>wiring</i> checks are identities only a bug
+can break; a failed one makes the verdict "does not hold"). It is <i>inconclusive</i> when a precondition
+stated in the reproduction fails, or when a claim check's 95% paired bootstrap interval contains its
+threshold; a mode without claim checks says "checks wiring only".</p>
 <table><tr><th>Paper</th><th>Venue</th><th>Family</th><th>Status</th><th>Outcome</th><th>Margin</th>
 <th>Wall time</th><th>What it does</th></tr>
 {chr(10).join(summary_rows)}

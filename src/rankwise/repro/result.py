@@ -4,9 +4,12 @@ Every reproduction module ``rankwise.repro.<id>`` defines::
 
     def run(mode: str, seeds: Sequence[int], out_dir: Path) -> ReproResult
 
-and builds its result with :class:`Table` (per-seed values of each metric for the method and its
-baselines) and :class:`ClaimCheck` (a measured number against the paper's claimed threshold). The
-verdict is a property computed from the claim checks; nothing sets it by hand.
+(most do so through :class:`rankwise.repro.skeleton.Reproduction`) and builds its result with
+:class:`Table` (per-seed values of each metric for the method and its baselines),
+:class:`ClaimCheck` (a measured number against the paper's claimed threshold, labelled ``claim`` or
+``wiring``, optionally with a paired bootstrap interval) and :class:`Precondition` (what must be true
+for the checks to mean anything). The verdict (``holds`` / ``does not hold`` / ``inconclusive`` /
+``wiring only``) is a property computed from them; nothing sets it by hand.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import platform
 import tempfile
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Sequence
 
@@ -100,13 +103,31 @@ class Table:
         return t
 
 
+KINDS = ("claim", "wiring")
+VERDICTS = ("holds", "does not hold", "inconclusive", "wiring only")
+
+
+def _num_or_nan(x: Any) -> float:
+    return float("nan") if x is None else float(x)
+
+
 @dataclass
 class ClaimCheck:
-    """One claim of the paper, checked against a measured number.
+    """One claim of the paper (or one wiring identity), checked against a measured number.
 
     ``statement`` says the claim in words; ``measured`` is what this run measured (a mean over
-    seeds, a ratio, a count ...); the claim holds when ``measured <op> threshold``. ``margin`` is
-    signed so that a positive margin means the claim held with room to spare.
+    seeds, a ratio, a count ...); the point estimate holds when ``measured <op> threshold``.
+    ``margin`` is signed so that a positive margin means the claim held with room to spare.
+
+    ``kind`` is ``"claim"`` (evidence about the paper; the verdict rests on these) or ``"wiring"``
+    (an identity or invariant that only a bug can break, such as "the same logits as PEFT").
+
+    ``samples`` (optional, not serialised): the paired per-example values the check averages, one
+    sequence per seed (e.g. ``correct_method_i - correct_baseline_i`` for every test example ``i``);
+    ``measured`` must then equal their statistic (``"mean"``: mean over seeds of the per-seed mean;
+    ``"abs_mean"``: its absolute value). From them the check computes a paired bootstrap interval
+    (:func:`rankwise.repro.evidence.paired_bootstrap`: over the examples, and over the seeds when there
+    are >= 3; 95%). :attr:`status` is then ``inconclusive`` when the interval contains the threshold.
     """
 
     statement: str
@@ -115,36 +136,151 @@ class ClaimCheck:
     threshold: float
     unit: str = ""
     note: str = ""
+    kind: str = "claim"
+    samples: Sequence[Sequence[float]] | None = field(default=None, repr=False, compare=False)
+    statistic: str = "mean"
+    # the interval, computed from ``samples`` (or read back from JSON)
+    ci: tuple[float, float] | None = None
+    ci_level: float | None = None
+    n_examples: int | None = None
+    n_seeds: int | None = None
+    ci_over_seeds: bool = False
 
     def __post_init__(self) -> None:
         if self.op not in _OPS:
             raise ValueError(f"ClaimCheck.op must be one of {list(_OPS)}, got {self.op!r}")
+        if self.kind not in KINDS:
+            raise ValueError(f"ClaimCheck.kind must be one of {list(KINDS)}, got {self.kind!r}")
         self.measured = float(self.measured)
         self.threshold = float(self.threshold)
+        if self.samples is not None:
+            from rankwise.repro import evidence
+
+            iv = evidence.paired_bootstrap(self.samples, self.statistic)
+            if not math.isclose(iv.estimate, self.measured, rel_tol=1e-9, abs_tol=1e-9):
+                raise ValueError(f"ClaimCheck {self.statement!r}: measured {self.measured!r} is not the "
+                                 f"{self.statistic} of its samples ({iv.estimate!r})")
+            self.ci, self.ci_level = (iv.lo, iv.hi), iv.level
+            self.n_examples, self.n_seeds, self.ci_over_seeds = iv.n_examples, iv.n_seeds, iv.over_seeds
+            self.samples = None  # the interval is what is kept
+        elif self.ci is not None:
+            self.ci = (float(self.ci[0]), float(self.ci[1]))
 
     @property
     def holds(self) -> bool:
+        """Whether the point estimate satisfies the claim (``measured <op> threshold``)."""
         if math.isnan(self.measured):
             return False
         return bool(_OPS[self.op](self.measured, self.threshold))
+
+    @property
+    def inconclusive(self) -> bool:
+        """The interval (if any) contains the threshold."""
+        return self.ci is not None and self.ci[0] <= self.threshold <= self.ci[1]
+
+    @property
+    def status(self) -> str:
+        """``holds``, ``does not hold`` or ``inconclusive`` (the interval contains the threshold)."""
+        if self.inconclusive and not math.isnan(self.measured):
+            return "inconclusive"
+        return "holds" if self.holds else "does not hold"
+
+    @property
+    def to_decide(self) -> tuple[int | None, str] | None:
+        """For an inconclusive check: about how many examples per seed (or seeds) would decide it."""
+        if self.status != "inconclusive" or self.ci is None:
+            return None
+        from rankwise.repro.evidence import Interval, samples_to_decide
+
+        iv = Interval(self.measured, self.ci[0], self.ci[1], self.ci_level or 0.95, self.n_examples or 1,
+                      self.n_seeds or 1, self.ci_over_seeds)
+        return samples_to_decide(iv, self.threshold)
 
     @property
     def margin(self) -> float:
         d = self.measured - self.threshold
         return (d if self.op in (">=", ">") else -d) + 0.0  # + 0.0: no "-0" margins
 
+    def interval_text(self) -> str:
+        """``"95% CI [lo, hi]"`` (and what would decide it when inconclusive), or ``""``."""
+        if self.ci is None:
+            return ""
+        text = f"{100 * (self.ci_level or 0.95):.0f}% CI [{self.ci[0]:.4g}, {self.ci[1]:.4g}]"
+        need = self.to_decide
+        if need is not None:
+            n, unit = need
+            text += (f"; about {n} {unit} would decide it" if n is not None else
+                     "; the estimate sits on the threshold")
+        return text
+
     def describe(self) -> str:
         u = f" {self.unit}" if self.unit else ""
-        word = "holds" if self.holds else "does not hold"
+        ci = f", {self.interval_text()}" if self.ci is not None else ""
         return (f"{self.statement}: measured {self.measured:.4g}{u} {self.op} {self.threshold:.4g}{u}"
-                f" -> {word} (margin {self.margin:+.3g})")
+                f" -> {self.status} (margin {self.margin:+.3g}{ci})")
 
     def to_json(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["measured"] = _clean(self.measured)
-        d["threshold"] = _clean(self.threshold)
-        d.update(holds=self.holds, margin=_clean(self.margin))
+        d: dict[str, Any] = {"statement": self.statement, "measured": _clean(self.measured), "op": self.op,
+                             "threshold": _clean(self.threshold), "unit": self.unit, "note": self.note,
+                             "kind": self.kind, "holds": self.holds, "status": self.status,
+                             "margin": _clean(self.margin)}
+        if self.ci is not None:
+            need = self.to_decide
+            d.update(statistic=self.statistic, ci=[_clean(self.ci[0]), _clean(self.ci[1])], ci_level=self.ci_level,
+                     n_examples=self.n_examples, n_seeds=self.n_seeds, ci_over_seeds=self.ci_over_seeds,
+                     to_decide=None if need is None else {"count": need[0], "unit": need[1]})
         return d
+
+    @classmethod
+    def from_json(cls, c: dict[str, Any]) -> "ClaimCheck":
+        ci = c.get("ci")
+        return cls(statement=c["statement"], measured=_num_or_nan(c["measured"]), op=c["op"],
+                   threshold=_num_or_nan(c["threshold"]), unit=c.get("unit", ""), note=c.get("note", ""),
+                   kind=c.get("kind", "claim"), statistic=c.get("statistic", "mean"),
+                   ci=None if ci is None else (_num_or_nan(ci[0]), _num_or_nan(ci[1])),
+                   ci_level=c.get("ci_level"), n_examples=c.get("n_examples"), n_seeds=c.get("n_seeds"),
+                   ci_over_seeds=bool(c.get("ci_over_seeds", False)))
+
+
+@dataclass
+class Precondition:
+    """What must be true of the measured numbers for the claim checks to mean anything.
+
+    Stated in the reproduction module before any run (its statement, op and threshold are module
+    constants), evaluated on the measured numbers: the task does not saturate, the baseline the claim
+    compares against learned, the upper-bound row beats the lower-bound row. A failed precondition
+    makes the verdict ``inconclusive`` with the precondition as its reason.
+    """
+
+    statement: str
+    measured: float
+    op: str
+    threshold: float
+    unit: str = ""
+
+    def __post_init__(self) -> None:
+        if self.op not in _OPS:
+            raise ValueError(f"Precondition.op must be one of {list(_OPS)}, got {self.op!r}")
+        self.measured = float(self.measured)
+        self.threshold = float(self.threshold)
+
+    @property
+    def holds(self) -> bool:
+        return not math.isnan(self.measured) and bool(_OPS[self.op](self.measured, self.threshold))
+
+    def describe(self) -> str:
+        u = f" {self.unit}" if self.unit else ""
+        return (f"{self.statement}: measured {self.measured:.4g}{u}, needs {self.op} {self.threshold:.4g}{u}"
+                f" -> {'met' if self.holds else 'failed'}")
+
+    def to_json(self) -> dict[str, Any]:
+        return {"statement": self.statement, "measured": _clean(self.measured), "op": self.op,
+                "threshold": _clean(self.threshold), "unit": self.unit, "holds": self.holds}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "Precondition":
+        return cls(statement=d["statement"], measured=_num_or_nan(d["measured"]), op=d["op"],
+                   threshold=_num_or_nan(d["threshold"]), unit=d.get("unit", ""))
 
 
 @dataclass
@@ -163,43 +299,90 @@ class ReproResult:
     wall_time_s: float = 0.0
     environment: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)  # curves or other data behind the figures
+    preconditions: list[Precondition] = field(default_factory=list)
+    overrides: dict[str, Any] = field(default_factory=dict)  # settings changed from the mode's defaults
+    cpu_time_s: float = 0.0
     # Run-time facts set by the harness, never serialised: whether this result came from the cache,
     # and the folder that holds its result.json and figures.
     cache_hit: bool = field(default=False, compare=False, repr=False)
     source_dir: Path | None = field(default=None, compare=False, repr=False)
 
     @property
+    def claim_checks(self) -> list[ClaimCheck]:
+        return [c for c in self.checks if c.kind == "claim"]
+
+    def _verdict_and_reason(self) -> tuple[str, str]:
+        wiring = [c for c in self.checks if c.kind == "wiring" and c.status != "holds"]
+        if wiring:
+            return "does not hold", "a wiring check failed (a bug, so no claim check can be trusted): " + \
+                "; ".join(c.statement for c in wiring)
+        claims = self.claim_checks
+        if not claims:
+            return "wiring only", (f"{self.mode} checks wiring only" if self.checks else "no checks")
+        failed_pre = [p for p in self.preconditions if not p.holds]
+        if failed_pre:
+            return "inconclusive", "precondition failed: " + "; ".join(p.describe() for p in failed_pre)
+        failed = [c for c in claims if c.status == "does not hold"]
+        if failed:
+            return "does not hold", "; ".join(f"{c.statement} (margin {c.margin:+.3g})" for c in failed)
+        unsure = [c for c in claims if c.status == "inconclusive"]
+        if unsure:
+            return "inconclusive", "the interval contains the threshold: " + "; ".join(
+                f"{c.statement} ({c.interval_text()})" for c in unsure)
+        return "holds", ""
+
+    @property
     def verdict(self) -> str:
-        """``holds`` when every checked claim holds, ``does not hold`` otherwise (computed)."""
-        if not self.checks:
-            return "does not hold"
-        return "holds" if all(c.holds for c in self.checks) else "does not hold"
+        """Computed from the checks and preconditions, never set by hand. In order:
+
+        1. a ``wiring`` check fails: ``does not hold`` (a bug; no claim check can be trusted);
+        2. no ``claim`` check: ``wiring only`` (shown as "<mode> checks wiring only");
+        3. a precondition fails: ``inconclusive``;
+        4. a claim check fails decisively (its point estimate misses and its interval, if any,
+           excludes the threshold): ``does not hold``;
+        5. a claim check's interval contains the threshold: ``inconclusive``;
+        6. otherwise ``holds``.
+        """
+        return self._verdict_and_reason()[0]
+
+    @property
+    def reason(self) -> str:
+        """Why the verdict is not ``holds`` (empty when it holds)."""
+        return self._verdict_and_reason()[1]
+
+    @property
+    def verdict_text(self) -> str:
+        """The verdict as shown to a reader (``"quick checks wiring only"`` for a wiring-only mode)."""
+        v = self.verdict
+        return f"{self.mode} checks wiring only" if v == "wiring only" else v
 
     @property
     def margin(self) -> float:
-        """The smallest margin over the checked claims (negative: the claim missed by this much)."""
-        return min((c.margin for c in self.checks), default=float("nan"))
+        """The smallest margin over the claim checks (all checks if none is a claim check)."""
+        return min((c.margin for c in (self.claim_checks or self.checks)), default=float("nan"))
 
     def to_json(self) -> dict[str, Any]:
         return {
             "id": self.id, "mode": self.mode, "seeds": list(self.seeds), "claim": self.claim,
-            "verdict": self.verdict, "margin": _clean(self.margin),
+            "verdict": self.verdict, "reason": self.reason, "margin": _clean(self.margin),
             "checks": [c.to_json() for c in self.checks],
+            "preconditions": [p.to_json() for p in self.preconditions], "overrides": self.overrides,
             "table": self.table.to_json(), "figures": list(self.figures), "notes": self.notes,
-            "config": self.config, "wall_time_s": self.wall_time_s, "environment": self.environment,
-            "extra": self.extra,
+            "config": self.config, "wall_time_s": self.wall_time_s, "cpu_time_s": self.cpu_time_s,
+            "environment": self.environment, "extra": self.extra,
         }
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "ReproResult":
-        checks = [ClaimCheck(statement=c["statement"], measured=float("nan") if c["measured"] is None
-                             else c["measured"], op=c["op"], threshold=c["threshold"],
-                             unit=c.get("unit", ""), note=c.get("note", "")) for c in d["checks"]]
+        """Read a result written by :meth:`to_json`, this version's or an older one (missing fields:
+        checks are claim checks without intervals, no preconditions, no overrides)."""
         return cls(id=d["id"], mode=d["mode"], seeds=list(d["seeds"]), claim=d["claim"],
-                   table=Table.from_json(d["table"]), checks=checks, figures=list(d["figures"]),
-                   notes=d.get("notes", ""), config=d.get("config", {}),
-                   wall_time_s=float(d.get("wall_time_s", 0.0)),
-                   environment=d.get("environment", {}), extra=d.get("extra", {}))
+                   table=Table.from_json(d["table"]), checks=[ClaimCheck.from_json(c) for c in d["checks"]],
+                   figures=list(d["figures"]), notes=d.get("notes", ""), config=d.get("config", {}),
+                   wall_time_s=float(d.get("wall_time_s", 0.0)), environment=d.get("environment", {}),
+                   extra=d.get("extra", {}),
+                   preconditions=[Precondition.from_json(p) for p in d.get("preconditions", [])],
+                   overrides=dict(d.get("overrides", {})), cpu_time_s=float(d.get("cpu_time_s", 0.0)))
 
     def save(self, out_dir: Path) -> Path:
         """Write ``result.json`` atomically into ``out_dir`` (figures are already there)."""

@@ -49,6 +49,7 @@ def one_line(e: BaseException) -> str:
 _MULTI_VALUE = {
     "--seeds": re.compile(r"[0-9][0-9,]*").fullmatch,
     "--only": lambda tok: not tok.startswith("-"),
+    "--set": lambda tok: "=" in tok and not tok.startswith("-"),
 }
 
 

@@ -32,7 +32,7 @@ def report_cmd(
     console = common.console()
     counts = run.summary["counts"]
     if not common.settings(ctx).quiet:
-        parts = [f"{v} {k}" for k, v in counts.items() if v and k in ("holds", "does not hold", "error")]
+        parts = [f"{v} {k}" for k, v in counts.items() if v and k in ("holds", "does not hold", "inconclusive", "wiring only", "error")]
         console.print(f"{len(run.results)} reproduction(s) in {mode} mode: {', '.join(parts) or 'none'}",
                       markup=False)
         for id, e in run.errors.items():
