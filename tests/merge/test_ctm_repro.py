@@ -9,8 +9,8 @@ from rankwise import zoo
 from rankwise.core.lora import set_state
 from rankwise.merge import baselines
 from rankwise.repro.ctm import SMOKE_RECIPE, Evaluator, _full_rank_state
-from rankwise.zoo.cached_encoder import FrozenPrefix, pooled_cached
-from rankwise.zoo.task_loras import encode_task, task_data, task_lora, top_model
+from rankwise.repro.kit.cached_encoder import FrozenPrefix, pooled_cached
+from rankwise.repro.kit.task_loras import encode_task, task_data, task_lora, top_model
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +80,7 @@ def test_quick_tasks_follow_the_validation_rule():
     the 12 LoRAs of TASKS on first use (about 80 s of one-thread CPU); fails if a recipe or corpus change
     moved the choice, which must then be redone (and the documented table updated)."""
     from rankwise.repro.ctm import QUICK_TASKS, quick_task_rule
-    from rankwise.zoo.task_loras import RECIPE, TASKS, shared_encodings
+    from rankwise.repro.kit.task_loras import RECIPE, TASKS, shared_encodings
 
     bert, tok = zoo.minilm()
     gains: dict[str, list[float]] = {t: [] for t in TASKS}

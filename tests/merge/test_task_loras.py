@@ -1,4 +1,4 @@
-"""zoo.task_loras: deterministic training, cache round trip, one base-model identity for all tasks."""
+"""repro.kit.task_loras: deterministic training, cache round trip, one base-model identity for all tasks."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from rankwise import zoo
 from rankwise.merge import CtMConfig, ctm_merge
 from rankwise.repro.ctm import SMOKE_RECIPE
-from rankwise.zoo.task_loras import task_lora, task_lora_path
+from rankwise.repro.kit.task_loras import task_lora, task_lora_path
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +39,8 @@ def test_deterministic_cached_and_mergeable(minilm, tmp_path: Path, monkeypatch:
 
 
 def test_encode_task_matches_prefix_and_is_shared_only_inside_the_block(minilm):
-    from rankwise.zoo.cached_encoder import FrozenPrefix
-    from rankwise.zoo.task_loras import encode_task, shared_encodings, task_data
+    from rankwise.repro.kit.cached_encoder import FrozenPrefix
+    from rankwise.repro.kit.task_loras import encode_task, shared_encodings, task_data
 
     bert, tok = minilm
     prefix = FrozenPrefix(bert, tok, 5, 16)

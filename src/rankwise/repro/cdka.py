@@ -6,8 +6,8 @@ task (:func:`negation_task`: ``"<subject> was [not] <adjective> <filler>"``, lab
 food) x (polarity XOR negation); 2 000 train / 1 000 test sentences, at most 16 tokens, batch 16).
 Adapters go on ``query``, ``key``, ``value`` and ``attention.output.dense`` of the top
 ``top_layers`` encoder layers; the frozen layers below are run once and their outputs cached
-(:class:`rankwise.zoo.cached_encoder.FrozenPrefix`), so a training step only runs the adapted layers
-(:class:`~rankwise.zoo.cached_encoder.TopModel`). Every
+(:class:`rankwise.repro.kit.cached_encoder.FrozenPrefix`), so a training step only runs the adapted layers
+(:class:`~rankwise.repro.kit.cached_encoder.TopModel`). Every
 model is trained with the shared loop (:class:`rankwise.train.finetune.Trainer`, AdamW, linear
 schedule with 6 % warm-up, gradient clipping 1.0), all methods in lock step on the same batches.
 
@@ -34,7 +34,7 @@ average over layers align(CDKA-aligned) >= align(LoKr) + 0.05; (b) CDKA-aligned 
 
 This module also holds the task that the PSOFT, E2LoRA and DAF reproductions reuse (:func:`negation_task`);
 the cached prefix, top model, batches, lock-step training and evaluation live in
-:mod:`rankwise.zoo.cached_encoder`.
+:mod:`rankwise.repro.kit.cached_encoder`.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ from rankwise.adapt import cdka
 from rankwise.core.select import select
 from rankwise.repro.result import MODES, ClaimCheck, ReproResult, Table, environment
 from rankwise.train.finetune import Batch
-from rankwise.zoo.cached_encoder import (
+from rankwise.repro.kit.cached_encoder import (
     CachedSplit,
     FrozenPrefix,
     TopModel,

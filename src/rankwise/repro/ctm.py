@@ -3,7 +3,7 @@
 Setting (spec "Reproduction at small scale", adapted to the zoo): the pretrained all-MiniLM-L6-v2,
 frozen; one LoRA (rank 8, alpha 8) per zoo text task on ``query``/``key``/``value``/
 ``attention.output.dense`` of the top encoder layer, each trained with its own linear head on
-mean-pooled tokens (:mod:`rankwise.zoo.task_loras`, trained once per (task, seed) and cached). The
+mean-pooled tokens (:mod:`rankwise.repro.kit.task_loras`, trained once per (task, seed) and cached). The
 T LoRAs are merged into ONE rank-8 LoRA by each method; every task is then evaluated with the
 merged LoRA and its own head. Metric: normalized accuracy = merged accuracy / the task's individual
 LoRA accuracy, averaged over tasks (the paper's metric).
@@ -22,7 +22,7 @@ Quick mode (one-thread CPU time measured on an empty cache, i.e. including the t
 LoRAs: see docs/methods/ctm.md) runs the four rows the claim compares (CtM-TIES, CtM-TA, MtC-TIES, MtC-TA) on
 :data:`QUICK_TASKS` (the tasks whose LoRA clearly beats no adapter on validation) with λ in {0.5, 1, 1.5};
 full mode runs every row on the six tasks of
-:data:`rankwise.zoo.task_loras.TASKS` with the whole grid (its LoRAs for the quick tasks and seeds 0, 1
+:data:`rankwise.repro.kit.task_loras.TASKS` with the whole grid (its LoRAs for the quick tasks and seeds 0, 1
 are the quick mode's, from the same cache). (KnOTS-space merging is in the library and the CLI but not in
 the reproduction, for time.)
 
@@ -84,7 +84,7 @@ QUICK_MIN_VAL_GAIN = 2.0
 QUICK_ROWS = ("CtM-TIES", "CtM-TA", "MtC-TIES (PEFT ties_svd)", "MtC-TA (PEFT svd)")
 SETTINGS: dict[str, dict[str, Any]] = {
     # smoke trains its tiny LoRAs in memory (no cache writes) and runs every row once;
-    # quick/full use the cached RECIPE LoRAs of rankwise.zoo.task_loras
+    # quick/full use the cached RECIPE LoRAs of rankwise.repro.kit.task_loras
     "smoke": dict(tasks=("topic", "kind"), recipe=SMOKE_RECIPE, lambdas=(1.0,), topks=(), betas=(), full_rows=True,
                   rows=None),
     "quick": dict(tasks=QUICK_TASKS, recipe=None, lambdas=(0.5, 1.0, 1.5), topks=(), betas=(),
@@ -104,8 +104,8 @@ class Evaluator:
     """Scores one adapter on every task: the adapted top layers run on all tasks' cached inputs, each task's head.
 
     The frozen-prefix outputs of the validation and test texts come from
-    :func:`rankwise.zoo.task_loras.encode_task` (shared with the LoRA training inside
-    :func:`~rankwise.zoo.task_loras.shared_encodings`). An adapter is applied by setting each adapted
+    :func:`rankwise.repro.kit.task_loras.encode_task` (shared with the LoRA training inside
+    :func:`~rankwise.repro.kit.task_loras.shared_encodings`). An adapter is applied by setting each adapted
     Linear's weight to ``W_0 + s B A`` (computed in float64), which is the same function as running
     the LoRA branch beside ``W_0`` but costs no extra matmuls (the untruncated references are rank-384
     "LoRAs"). Rows are evaluated in chunks of similar token length (little padding); the order does
@@ -117,8 +117,8 @@ class Evaluator:
 
     def __init__(self, bert: nn.Module, tok: Any, loras: list[Any], datas: list[Any], recipe: dict[str, Any],
                  base_memo: dict[Any, torch.Tensor] | None = None) -> None:
-        from rankwise.zoo.cached_encoder import FrozenPrefix
-        from rankwise.zoo.task_loras import encode_task, top_model
+        from rankwise.repro.kit.cached_encoder import FrozenPrefix
+        from rankwise.repro.kit.task_loras import encode_task, top_model
 
         prefix = FrozenPrefix(bert, tok, len(bert.encoder.layer) - recipe["top_layers"], recipe["max_length"])
         self.splits: dict[str, tuple[torch.Tensor, torch.Tensor, list[torch.Tensor], list[torch.Tensor]]] = {}
@@ -164,7 +164,7 @@ class Evaluator:
     @torch.no_grad()
     def embeddings(self, state: AdapterState | None, split: str) -> list[torch.Tensor]:
         """Per task, the pooled sentence embeddings ``(N_t, H)`` of ``split`` (in the task's example order)."""
-        from rankwise.zoo.cached_encoder import trim_padding
+        from rankwise.repro.kit.cached_encoder import trim_padding
 
         h, m, ys, rows = self.splits[split]
         emb = self.base_memo.get(self.keys[split]) if state is None else None
@@ -326,7 +326,7 @@ def _numerical_rank(state: AdapterState) -> int:
 
 def _run_seed(seed: int, S: dict[str, Any], bert: nn.Module, tok: Any, table: Table, extra: dict[str, Any],
               base_memo: dict[Any, torch.Tensor]) -> None:
-    from rankwise.zoo.task_loras import RECIPE, TASKS, task_data, task_lora
+    from rankwise.repro.kit.task_loras import RECIPE, TASKS, task_data, task_lora
 
     recipe = S["recipe"] or RECIPE
     tasks = S["tasks"] or TASKS
@@ -400,7 +400,7 @@ def run(mode: str, seeds: Sequence[int], out_dir: Path) -> ReproResult:
     if not seeds:
         raise ValueError("seeds must not be empty")
     from rankwise import zoo
-    from rankwise.zoo.task_loras import RECIPE, TASKS, shared_encodings
+    from rankwise.repro.kit.task_loras import RECIPE, TASKS, shared_encodings
 
     t0 = time.perf_counter()
     out_dir = Path(out_dir)
@@ -444,7 +444,7 @@ def run(mode: str, seeds: Sequence[int], out_dir: Path) -> ReproResult:
     notes = (
         f"T = {len(tasks)} zoo text tasks ({', '.join(tasks)}); one LoRA (rank {recipe['rank']}, alpha "
         f"{recipe['alpha']}) per task on q/k/v/attention.output.dense of the top {recipe['top_layers']} MiniLM layers "
-        f"({recipe['epochs']} epochs, Adam; rankwise.zoo.task_loras, cached after the first run: this run spent "
+        f"({recipe['epochs']} epochs, Adam; rankwise.repro.kit.task_loras, cached after the first run: this run spent "
         f"{build_s:.1f} s loading or training them). Merged rank r = {RANK} (= the LoRA rank, as in the paper). "
         f"Tuning on each task's held-out validation split ({recipe['n_val']} examples): λ in {list(S['lambdas'])} "
         f"at topK {DENSITY0:.0%} and β {BETA0}"

@@ -46,7 +46,7 @@ from torch import nn
 
 from rankwise.adapt import daf
 from rankwise.repro.cdka import LABELS, negation_task
-from rankwise.zoo.cached_encoder import (
+from rankwise.repro.kit.cached_encoder import (
     CachedSplit,
     FrozenPrefix,
     TopModel,

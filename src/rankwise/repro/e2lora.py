@@ -44,7 +44,7 @@ from torch import nn
 
 from rankwise.adapt import e2lora as E
 from rankwise.repro.cdka import LABELS, negation_task
-from rankwise.zoo.cached_encoder import (
+from rankwise.repro.kit.cached_encoder import (
     CachedSplit,
     FrozenPrefix,
     TopModel,

@@ -84,7 +84,7 @@ class MiniLMTask:
     """The zoo's text task on MiniLM: cached layer-(6 - n_top) hidden states, adapted top layers + head.
 
     ``inputs = {"hidden": (N, max_length, 384), "attention_mask": (N, max_length)}``; the model is
-    :class:`rankwise.zoo.cached_encoder.TopModel` (top ``n_top`` BERT layers, mean pooling, linear head
+    :class:`rankwise.repro.kit.cached_encoder.TopModel` (top ``n_top`` BERT layers, mean pooling, linear head
     ``classifier``). Features are computed once and cached in a safetensors file under ``cache_dir``
     (default: the zoo cache) keyed by the texts and settings, so every simulation actor or SuperNode
     loads them instead of running MiniLM.
@@ -110,7 +110,7 @@ class MiniLMTask:
         if path.is_file():
             tensors, _ = io.load_tensors(path)
         else:
-            from rankwise.zoo.cached_encoder import FrozenPrefix
+            from rankwise.repro.kit.cached_encoder import FrozenPrefix
 
             bert, tok = self._load_bert()
             prefix = FrozenPrefix(bert, tok, len(bert.encoder.layer) - n_top, max_length)
@@ -140,7 +140,7 @@ class MiniLMTask:
         import copy
 
         if self._model is None:
-            from rankwise.zoo.cached_encoder import TopModel
+            from rankwise.repro.kit.cached_encoder import TopModel
 
             bert, _ = self._load_bert()
             self._model = TopModel(bert, self.n_top, len(self.labels), seed=0)

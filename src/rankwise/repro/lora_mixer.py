@@ -47,7 +47,7 @@ import torch
 from torch import nn
 
 from rankwise.adapt import lora, lora_mixer
-from rankwise.zoo.cached_encoder import CachedSplit, FrozenPrefix, TopModel, trim_padding as _trim, peft_inject
+from rankwise.repro.kit.cached_encoder import CachedSplit, FrozenPrefix, TopModel, trim_padding as _trim, peft_inject
 from rankwise.repro.mtlora import (TextCache, adapter_params, epoch_batches, length_order, multitask_data,
                                    per_task_accuracy)
 from rankwise.repro.result import MODES, ClaimCheck, ReproResult, Table, environment

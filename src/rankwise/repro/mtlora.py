@@ -2,7 +2,7 @@
 
 Setting (spec "Reproduction at small scale", adapted to the zoo): the pretrained all-MiniLM-L6-v2
 (:func:`rankwise.zoo.minilm`) frozen; the top ``top_layers`` encoder blocks are adapted and the
-blocks below are run once and cached (:class:`rankwise.zoo.cached_encoder.FrozenPrefix` / ``CachedSplit``);
+blocks below are run once and cached (:class:`rankwise.repro.kit.cached_encoder.FrozenPrefix` / ``CachedSplit``);
 mean-pooled final hidden states go to ONE shared linear head over the union of the tasks' label
 spaces. The tasks are the zoo's docstring text tasks (:func:`rankwise.zoo.text_task`); every text is
 prefixed with a task tag (``"[t03] ..."``) so that one model serves all tasks (the same docstring can
@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from rankwise.adapt import mtlora
-from rankwise.zoo.cached_encoder import CachedSplit, FrozenPrefix, TopModel, trim_padding as _trim, peft_inject
+from rankwise.repro.kit.cached_encoder import CachedSplit, FrozenPrefix, TopModel, trim_padding as _trim, peft_inject
 from rankwise.repro.result import MODES, ClaimCheck, ReproResult, Table, environment
 
 ID = "mtlora"
@@ -111,7 +111,7 @@ def epoch_batches(n: int, epochs: int, batch_size: int, seed: int) -> list[torch
 
 
 class TextCache:
-    """A :class:`~rankwise.zoo.cached_encoder.FrozenPrefix` that encodes every distinct text once per run.
+    """A :class:`~rankwise.repro.kit.cached_encoder.FrozenPrefix` that encodes every distinct text once per run.
 
     The prefix outputs depend only on the text (the prefix is frozen and runs in eval mode), so the test
     sets (seed independent), the T = 5 data (a subset of the T = 12 data: same tasks, same tags) and the

@@ -53,7 +53,7 @@ from torch import nn
 
 from rankwise.adapt import psoft
 from rankwise.repro.cdka import LABELS, TARGETS, negation_task
-from rankwise.zoo.cached_encoder import (
+from rankwise.repro.kit.cached_encoder import (
     CachedSplit,
     FrozenPrefix,
     TopModel,

@@ -63,6 +63,17 @@ class Table:
             raise KeyError(f"unknown column {column!r}; columns are {self.columns}")
         self.rows.setdefault(row, {}).setdefault(column, []).append(float(value))
 
+    def extend(self, other: "Table") -> "Table":
+        """Append ``other``'s values cell by cell (rows and columns in ``other``'s order); returns self.
+
+        A reproduction that fills one table fragment per seed joins them in seed order with this, which
+        gives the same table as adding every value to one table seed after seed."""
+        for r, cols in other.rows.items():
+            for c, vals in cols.items():
+                for v in vals:
+                    self.add(r, c, v)
+        return self
+
     def values(self, row: str, column: str) -> list[float]:
         return list(self.rows.get(row, {}).get(column, []))
 

@@ -11,7 +11,7 @@ anew. A build writes into a temporary folder and renames it into place.
 Recipe (:data:`RECIPE`): the pretrained all-MiniLM-L6-v2 (:func:`rankwise.zoo.minilm`), frozen;
 LoRA rank 8, alpha 8 (scale 1, as the CtM paper's alpha = r) on ``query``, ``key``, ``value`` and
 ``attention.output.dense`` of the top ``top_layers`` encoder layers (the lower layers' outputs are
-computed once and cached, :class:`rankwise.zoo.cached_encoder.FrozenPrefix`); mean pooling and a per-task
+computed once and cached, :class:`rankwise.repro.kit.cached_encoder.FrozenPrefix`); mean pooling and a per-task
 linear head trained with the LoRA (never merged). Texts cut at ``max_length`` WordPiece tokens.
 Data: :func:`rankwise.zoo.text_task` (``seed`` picks the training examples and their order); the
 last ``n_val`` training examples are held out as the validation split that the merge reproduction
@@ -22,10 +22,10 @@ Cost (measured, one thread, recipe version 4: top_layers = 1, 3 epochs): about 3
 the small tasks (``c_signature``, ``dunder``, ``files_vs_formats``), about 9 s for the 504-example ones;
 the six tasks of :data:`TASKS` for one seed take about 40 s. Inside :func:`shared_encodings` the
 validation and test encodings computed for training are reused by the caller's evaluation. Modules in
-the AdapterState are named as in :class:`~rankwise.zoo.cached_encoder.TopModel`
+the AdapterState are named as in :class:`~rankwise.repro.kit.cached_encoder.TopModel`
 (``layers.<i>.attention.self.query``, ...).
 
-    from rankwise.zoo.task_loras import task_lora, TASKS
+    from rankwise.repro.kit.task_loras import task_lora, TASKS
     tl = task_lora("topic", seed=0)    # TaskLoRA(task, labels, state, head, metrics, path)
 """
 
@@ -133,8 +133,8 @@ def task_lora_path(task: str, seed: int = 0, recipe: dict[str, Any] | None = Non
 
 
 def top_model(bert: nn.Module, num_labels: int, seed: int, recipe: dict[str, Any] | None = None) -> nn.Module:
-    """A :class:`rankwise.zoo.cached_encoder.TopModel` (copies of the top layers + a head) for ``recipe``."""
-    from rankwise.zoo.cached_encoder import TopModel
+    """A :class:`rankwise.repro.kit.cached_encoder.TopModel` (copies of the top layers + a head) for ``recipe``."""
+    from rankwise.repro.kit.cached_encoder import TopModel
 
     R = recipe or RECIPE
     return TopModel(bert, R["top_layers"], num_labels, seed)
@@ -195,7 +195,7 @@ def encode_task(prefix: Any, data: Sequence[tuple[str, int]], chunk: int = 64, k
 
 
 def _train(task: str, seed: int, R: dict[str, Any], bert: nn.Module, tok: Any) -> tuple[AdapterState, dict, dict]:
-    from rankwise.zoo.cached_encoder import FrozenPrefix, batch_indices, cached_batches, evaluate_cached
+    from rankwise.repro.kit.cached_encoder import FrozenPrefix, batch_indices, cached_batches, evaluate_cached
 
     data = task_data(task, seed, R)
     prefix = FrozenPrefix(bert, tok, len(bert.encoder.layer) - R["top_layers"], R["max_length"])
