@@ -10,18 +10,23 @@ Plan (spec ``shared/methods/intrinsic_dynamics.md``, "Reproduction at small scal
 * full: sweeps ``lambda in {0, 0.1, 1, 10}`` x ``m in {1, 3, 8}``; ``lambda = 0`` with ``r in {4, 6, 12}``; deep linear
   ``N = 3, 4`` balanced; the kernel-inclusion criterion table; the linear neural ODE with ``N in {8, 16, 32, 64}``
   against our ``N -> infinity`` formula; conservation-law counts by the Lie-algebra rank.
+
+Horizons, step and the full-mode sweeps are :class:`IntrinsicSettings` (``SETTINGS[mode]``;
+``rankwise reproduce intrinsic_dynamics --set dt=5e-4``). The checks are ``claim`` checks: the paper's
+statements are identities of the flows, measured numerically.
 """
 
 from __future__ import annotations
 
-import time
+import dataclasses
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
-from rankwise.repro.result import ClaimCheck, ReproResult, Table, environment
+from rankwise.repro.result import ClaimCheck, Table
+from rankwise.repro.skeleton import Records, Reproduction, Settings, pyplot, save_figure, setting
 from rankwise.science.intrinsic_dynamics import (
     DeepLinear,
     DeepReLUPathLift,
@@ -44,11 +49,26 @@ CLAIM = ("The gradient flow of a two-layer linear net from a lambda-balanced ini
          "net in its path-lifting, is a closed flow of z = phi(theta) given by the intrinsic formula (to 1e-6), "
          "while the same formula fails for a non-balanced init and the Euclidean flow z' = -grad l(z) fails.")
 
-SETTINGS: dict[str, dict[str, Any]] = {
-    "smoke": dict(dt=1e-2, t_lin=0.2, t_relu=0.2, full=False),
-    "quick": dict(dt=1e-3, t_lin=2.0, t_relu=1.0, full=False),
-    "full": dict(dt=1e-3, t_lin=2.0, t_relu=1.0, full=True, lams=[0.0, 0.1, 1.0, 10.0], ms=[1, 3, 8],
-                 rs=[4, 6, 12], depths=[3, 4], ode_Ns=[8, 16, 32, 64], t_ode=1.0),
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class IntrinsicSettings(Settings):
+    """What the intrinsic-dynamics reproduction runs; ``SETTINGS[mode]`` holds each mode's values."""
+
+    dt: float = setting(1e-3, "RK4 step of every flow", lo=0.0)
+    t_lin: float = setting(2.0, "horizon of the two-layer linear flows", lo=0.0)
+    t_relu: float = setting(1.0, "horizon of the ReLU flows", lo=0.0)
+    full: bool = setting(False, "run the sweeps, deep linear nets, criterion table and linear neural ODE")
+    lams: tuple[float, ...] = setting((0.0, 0.1, 1.0, 10.0), "lambdas of the linear sweep (full)", lo=0.0)
+    ms: tuple[int, ...] = setting((1, 3, 8), "output sizes m of the linear sweep (full)", lo=1)
+    rs: tuple[int, ...] = setting((4, 6, 12), "ranks r of the lambda = 0 sweep (full)", lo=1)
+    depths: tuple[int, ...] = setting((3, 4), "depths N of the deep linear nets (full)", lo=2)
+    ode_Ns: tuple[int, ...] = setting((8, 16, 32, 64), "discretisations N of the linear neural ODE (full)", lo=1)
+    t_ode: float = setting(1.0, "horizon of the linear neural ODE (full)", lo=0.0)
+
+
+SETTINGS: dict[str, IntrinsicSettings] = {
+    "smoke": IntrinsicSettings(dt=1e-2, t_lin=0.2, t_relu=0.2),
+    "quick": IntrinsicSettings(),
+    "full": IntrinsicSettings(full=True),
 }
 N_LIN, M_LIN, R_LIN, LAM = 4, 3, 4, 0.7
 D_RELU, K_RELU, N_DATA = 5, 8, 64
@@ -102,11 +122,7 @@ def _relu_case(seed: int, cfg: IntrinsicConfig) -> dict[str, Any]:
 
 def _figures(out_dir: Path, curves: dict[str, tuple[np.ndarray, np.ndarray]],
              cons: dict[str, tuple[np.ndarray, np.ndarray]], ode: dict[str, Any] | None) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     names = []
     fig, ax = plt.subplots(figsize=(6.4, 4))
     for label, (t, e) in curves.items():
@@ -118,9 +134,7 @@ def _figures(out_dir: Path, curves: dict[str, tuple[np.ndarray, np.ndarray]],
     ax.set_title("parameter flow vs lifted flows (seed 0)")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out_dir / "relative_error.png", dpi=120)
-    plt.close(fig)
-    names.append("relative_error.png")
+    names.append(save_figure(fig, out_dir / "relative_error.png", dpi=120))
 
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
     for label, (t, c) in cons.items():
@@ -131,9 +145,7 @@ def _figures(out_dir: Path, curves: dict[str, tuple[np.ndarray, np.ndarray]],
     ax.set_title("conservation-law residuals along the parameter flow (seed 0)")
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out_dir / "conservation.png", dpi=120)
-    plt.close(fig)
-    names.append("conservation.png")
+    names.append(save_figure(fig, out_dir / "conservation.png", dpi=120))
 
     if ode:
         fig, ax = plt.subplots(figsize=(5, 3.6))
@@ -145,169 +157,212 @@ def _figures(out_dir: Path, curves: dict[str, tuple[np.ndarray, np.ndarray]],
         ax.set_title(f"linear neural ODE, fitted slope {ode['slope']:.2f}")
         ax.legend(fontsize=7)
         fig.tight_layout()
-        fig.savefig(out_dir / "ode_convergence.png", dpi=120)
-        plt.close(fig)
-        names.append("ode_convergence.png")
+        names.append(save_figure(fig, out_dir / "ode_convergence.png", dpi=120))
     return names
 
 
-def _run(mode: str, seeds: Sequence[int], out_dir: Path) -> ReproResult:
-    """Run the reproduction in ``mode`` ("smoke", "quick" or "full") for ``seeds``; write figures and result.json."""
-    if mode not in SETTINGS:
-        raise ValueError(f"mode must be one of {list(SETTINGS)}, got {mode!r}")
-    seeds = [int(s) for s in seeds]
-    if not seeds:
-        raise ValueError("seeds must hold at least one seed")
-    t0 = time.perf_counter()
-    S = SETTINGS[mode]
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    table = Table(columns=["max_rel_error", "conservation_residual", "t_stop", "criterion_inclusion"],
-                  notes={"max_rel_error": "max_t ||Z_param - Z_lifted|| / ||Z_param||",
-                         "conservation_residual": "max_t |h(t) - h(0)| along the parameter flow",
-                         "t_stop": "time of the first activation-pattern change (ReLU) or the horizon",
-                         "criterion_inclusion": "1 if ker dphi ∩ ker dh ⊂ ker dM at theta_0"})
+def _seed(S: dict[str, Any], seed: int, first: bool) -> dict[str, Any]:
+    """One seed of the reproduction: its table fragment and what the checks, notes and figures need."""
+    table = Table(columns=list(COLUMNS))
     cfg_lin = IntrinsicConfig(t_max=S["t_lin"], dt=S["dt"])
     cfg_relu = IntrinsicConfig(t_max=S["t_relu"], dt=S["dt"])
-    agg: dict[str, list[Any]] = {k: [] for k in ("a_lin", "a_relu", "b", "c_lin", "c_relu", "d", "t_stop",
-                                                 "relu_cont", "relu_changes", "d_relu", "stop_reason", "t_end_cont",
-                                                 "stop_reason_cont")}
+    agg: dict[str, list[Any]] = {k: [] for k in AGG_KEYS}
     curves: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     cons: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     full_rows: dict[str, list[float]] = {}
     crit_mismatch: list[str] = []
     crit_rows: list[dict[str, Any]] = []
     ode: dict[str, Any] | None = None
-    for seed in seeds:
-        bal = _linear_case(N_LIN, M_LIN, R_LIN, LAM, seed, cfg_lin)
-        gC = torch.Generator().manual_seed(30_000 + seed)
-        G = torch.randn(R_LIN, R_LIN, generator=gC, dtype=torch.float64)
-        S_ = 0.5 * (G + G.mT)
-        S_ = S_ - torch.trace(S_) / R_LIN * torch.eye(R_LIN, dtype=torch.float64)
-        # anisotropic, positive definite: eigenvalues of C in [0.5, 1.5] * LAM, mean LAM
-        C = LAM * (torch.eye(R_LIN, dtype=torch.float64) + 0.5 * S_ / torch.linalg.matrix_norm(S_, ord=2))
-        nb = _linear_case(N_LIN, M_LIN, R_LIN, None, seed, cfg_lin, C=C)
-        relu = _relu_case(seed, cfg_relu)
-        crit_bal = check_criterion(bal["system"], bal["theta0"])
-        crit_nb = check_criterion(nb["system"], nb["theta0"])
-        crit_relu = check_criterion(relu["system"], relu["theta0"])
-        agg["a_lin"].append(_fmax(bal["err"]))
-        agg["a_relu"].append(_fmax(relu["err"]))
-        agg["b"].append(_fmax(nb["err"]))
-        agg["c_lin"].append(max(_fmax(bal["cons"]), _fmax(nb["cons"])))
-        agg["c_relu"].append(_fmax(relu["cons"]))
-        agg["d"].append(_fmax(bal["err_euclid"]))
-        agg["t_stop"].append(relu["t_stop"])
-        agg["relu_cont"].append(_fmax(relu["err_cont"]))
-        agg["relu_changes"].append(relu["n_changes"])
-        agg["d_relu"].append(_fmax(relu["err_euclid_cont"]))
-        agg["stop_reason"].append(relu["stop_reason"])
-        agg["t_end_cont"].append(round(relu["t_end_cont"], 4))
-        agg["stop_reason_cont"].append(relu["stop_reason_cont"])
-        rows = [
-            (f"linear λ={LAM} balanced: intrinsic λ-formula", _fmax(bal["err"]), _fmax(bal["cons"]), S["t_lin"], crit_bal),
-            (f"linear non-balanced C (tr C/r={LAM}): λ-formula", _fmax(nb["err"]), _fmax(nb["cons"]), S["t_lin"], crit_nb),
-            ("linear λ-balanced: Euclidean guess Z'=-G", _fmax(bal["err_euclid"]), float("nan"), S["t_lin"], None),
-            ("ReLU path-lifting: intrinsic formula (to 1st change, spec rule)", _fmax(relu["err"]), float("nan"),
-             relu["t_stop"], crit_relu),
-            ("ReLU path-lifting: intrinsic formula through pattern changes", _fmax(relu["err_cont"]),
-             _fmax(relu["cons"]), relu["t_end_cont"], None),
-            ("ReLU: Euclidean guess z'=-g (through pattern changes)", _fmax(relu["err_euclid_cont"]), float("nan"),
-             relu["t_end_cont"], None),
-        ]
-        for name, err, cres, tstop, crit in rows:
-            table.add(name, "max_rel_error", err)
-            if not np.isnan(cres):
-                table.add(name, "conservation_residual", cres)
-            table.add(name, "t_stop", tstop)
-            if crit is not None:
-                table.add(name, "criterion_inclusion", float(crit.inclusion))
-        if seed == seeds[0]:
-            curves = {f"λ-balanced (λ={LAM}): intrinsic": (bal["param"].times, bal["err"]),
-                      "non-balanced C: λ-formula": (nb["param"].times, nb["err"]),
-                      "Euclidean guess Z' = −G": (bal["param"].times, bal["err_euclid"]),
-                      "ReLU: intrinsic, to 1st pattern change": (relu["param"].times, relu["err"]),
-                      "ReLU: intrinsic, through pattern changes": (relu["param_cont"].times, relu["err_cont"])}
-            cons = {"linear ‖C(t) − C(0)‖ (max entry), λ-balanced": (bal["param"].times, bal["cons"]),
-                    "linear, non-balanced": (nb["param"].times, nb["cons"]),
-                    "ReLU max_j |δ_j(t) − δ_j(0)|": (relu["param_cont"].times, relu["cons"])}
+    bal = _linear_case(N_LIN, M_LIN, R_LIN, LAM, seed, cfg_lin)
+    gC = torch.Generator().manual_seed(30_000 + seed)
+    G = torch.randn(R_LIN, R_LIN, generator=gC, dtype=torch.float64)
+    S_ = 0.5 * (G + G.mT)
+    S_ = S_ - torch.trace(S_) / R_LIN * torch.eye(R_LIN, dtype=torch.float64)
+    # anisotropic, positive definite: eigenvalues of C in [0.5, 1.5] * LAM, mean LAM
+    C = LAM * (torch.eye(R_LIN, dtype=torch.float64) + 0.5 * S_ / torch.linalg.matrix_norm(S_, ord=2))
+    nb = _linear_case(N_LIN, M_LIN, R_LIN, None, seed, cfg_lin, C=C)
+    relu = _relu_case(seed, cfg_relu)
+    crit_bal = check_criterion(bal["system"], bal["theta0"])
+    crit_nb = check_criterion(nb["system"], nb["theta0"])
+    crit_relu = check_criterion(relu["system"], relu["theta0"])
+    agg["a_lin"].append(_fmax(bal["err"]))
+    agg["a_relu"].append(_fmax(relu["err"]))
+    agg["b"].append(_fmax(nb["err"]))
+    agg["c_lin"].append(max(_fmax(bal["cons"]), _fmax(nb["cons"])))
+    agg["c_relu"].append(_fmax(relu["cons"]))
+    agg["d"].append(_fmax(bal["err_euclid"]))
+    agg["t_stop"].append(relu["t_stop"])
+    agg["relu_cont"].append(_fmax(relu["err_cont"]))
+    agg["relu_changes"].append(relu["n_changes"])
+    agg["d_relu"].append(_fmax(relu["err_euclid_cont"]))
+    agg["stop_reason"].append(relu["stop_reason"])
+    agg["t_end_cont"].append(round(relu["t_end_cont"], 4))
+    agg["stop_reason_cont"].append(relu["stop_reason_cont"])
+    rows = [
+        (f"linear λ={LAM} balanced: intrinsic λ-formula", _fmax(bal["err"]), _fmax(bal["cons"]), S["t_lin"], crit_bal),
+        (f"linear non-balanced C (tr C/r={LAM}): λ-formula", _fmax(nb["err"]), _fmax(nb["cons"]), S["t_lin"], crit_nb),
+        ("linear λ-balanced: Euclidean guess Z'=-G", _fmax(bal["err_euclid"]), float("nan"), S["t_lin"], None),
+        ("ReLU path-lifting: intrinsic formula (to 1st change, spec rule)", _fmax(relu["err"]), float("nan"),
+         relu["t_stop"], crit_relu),
+        ("ReLU path-lifting: intrinsic formula through pattern changes", _fmax(relu["err_cont"]),
+         _fmax(relu["cons"]), relu["t_end_cont"], None),
+        ("ReLU: Euclidean guess z'=-g (through pattern changes)", _fmax(relu["err_euclid_cont"]), float("nan"),
+         relu["t_end_cont"], None),
+    ]
+    for name, err, cres, tstop, crit in rows:
+        table.add(name, "max_rel_error", err)
+        if not np.isnan(cres):
+            table.add(name, "conservation_residual", cres)
+        table.add(name, "t_stop", tstop)
+        if crit is not None:
+            table.add(name, "criterion_inclusion", float(crit.inclusion))
+    if first:
+        curves = {f"λ-balanced (λ={LAM}): intrinsic": (bal["param"].times, bal["err"]),
+                  "non-balanced C: λ-formula": (nb["param"].times, nb["err"]),
+                  "Euclidean guess Z' = −G": (bal["param"].times, bal["err_euclid"]),
+                  "ReLU: intrinsic, to 1st pattern change": (relu["param"].times, relu["err"]),
+                  "ReLU: intrinsic, through pattern changes": (relu["param_cont"].times, relu["err_cont"])}
+        cons = {"linear ‖C(t) − C(0)‖ (max entry), λ-balanced": (bal["param"].times, bal["cons"]),
+                "linear, non-balanced": (nb["param"].times, nb["cons"]),
+                "ReLU max_j |δ_j(t) − δ_j(0)|": (relu["param_cont"].times, relu["cons"])}
 
-        if S["full"]:
-            def add(name: str, col: str, v: float) -> None:
-                table.add(name, col, v)
-                full_rows.setdefault(f"{name}|{col}", []).append(v)
+    if S["full"]:
+        def add(name: str, col: str, v: float) -> None:
+            table.add(name, col, v)
+            full_rows.setdefault(f"{name}|{col}", []).append(v)
 
-            for lam in S["lams"]:
-                for m in S["ms"]:
-                    res = _linear_case(4, m, 4, lam, seed, cfg_lin)
-                    add(f"sweep n=r=4 m={m} λ={lam:g}", "max_rel_error", _fmax(res["err"]))
-                    add(f"sweep n=r=4 m={m} λ={lam:g}", "conservation_residual", _fmax(res["cons"]))
-            for r in S["rs"]:
-                res = _linear_case(4, 3, r, 0.0, seed, cfg_lin)
-                add(f"sweep λ=0 n=4 m=3 r={r}", "max_rel_error", _fmax(res["err"]))
-                add(f"sweep λ=0 n=4 m=3 r={r}", "conservation_residual", _fmax(res["cons"]))
-            for N in S["depths"]:
-                g = torch.Generator().manual_seed(40_000 + seed)
-                dl = DeepLinear([3] + [4] * (N - 1) + [3])
-                th0 = dl.balanced_init(seed=g)
-                loss = FrobeniusLoss(torch.randn(3, 3, generator=g, dtype=torch.float64))
-                p = simulate_flow(dl, th0, loss, cfg_lin)
-                i = intrinsic_flow(dl, dl.phi(th0), dl.invariants(th0), loss, cfg_lin)
-                add(f"deep linear N={N} balanced: Arora formula", "max_rel_error", _fmax(compare(p, i)))
-                add(f"deep linear N={N} balanced: Arora formula", "conservation_residual",
-                    _fmax(p.conservation_residual()))
-            # criterion table: balanced must pass; generic C must fail when r < n + m
-            for (n, m, r) in [(4, 1, 4), (4, 3, 4), (4, 8, 4), (4, 3, 6), (4, 3, 12)]:
-                lf = LinearFactorization(n, m, r)
-                g = torch.Generator().manual_seed(50_000 + seed)
-                inits = [("λ=0 balanced", lf.relaxed_balanced_init(0.0, seed=g))]
-                if n >= r:  # U^T U - V^T V = 0.7 I needs rank r on the U side
-                    inits.append(("λ=0.7 balanced", lf.relaxed_balanced_init(0.7, seed=g)))
-                inits.append(("generic C", lf.random_init(seed=g)))
-                for kind, th in inits:
-                    rep = check_criterion(lf, th)
-                    expected = True if "balanced" in kind else (False if r < n + m else None)
-                    if expected is not None and rep.inclusion != expected:
-                        crit_mismatch.append(f"seed {seed} (n,m,r)=({n},{m},{r}) {kind}: {rep.inclusion}")
-                    crit_rows.append({"seed": seed, "n": n, "m": m, "r": r, "init": kind, **rep.as_dict(),
-                                      "expected": expected})
-                    add(f"criterion (n,m,r)=({n},{m},{r}) {kind}", "criterion_inclusion", float(rep.inclusion))
-            g = torch.Generator().manual_seed(60_000 + seed)
-            for widths in ([3, 4, 2], [3, 4, 4, 2]):
-                drl = DeepReLUPathLift(widths)
-                rep = check_criterion(drl, drl.random_init(seed=g))
-                crit_rows.append({"seed": seed, "system": f"deep ReLU {widths}", **rep.as_dict()})
-                add(f"criterion deep ReLU widths={widths}", "criterion_inclusion", float(rep.inclusion))
-            # level-set counterexample for a generic C at (4, 3, 4)
-            lf = LinearFactorization(4, 3, 4)
-            ce = level_set_counterexample(lf, lf.random_init(seed=g))
-            full_rows.setdefault("counterexample_metric_change", []).append(ce["metric_change"])
-            full_rows.setdefault("counterexample_residual", []).append(ce["residual"])
-            # linear neural ODE: finite-N intrinsic formula and convergence to the N -> infinity formula
-            g = torch.Generator().manual_seed(70_000 + seed)
-            A0 = torch.randn(3, 3, generator=g, dtype=torch.float64) / 3 ** 0.5
-            A0 = 0.5 * (A0 + A0.mT)
-            Y = torch.linalg.matrix_exp(torch.randn(3, 3, generator=g, dtype=torch.float64) / 3 ** 0.5)
-            loss = FrobeniusLoss(Y)
-            cfg_ode = IntrinsicConfig(t_max=S["t_ode"], dt=S["dt"], record_every=10)
-            lim = intrinsic_flow(LinearODE.limit_velocity, torch.linalg.matrix_exp(A0), torch.zeros(0), loss, cfg_ode)
-            errs = []
-            for N in S["ode_Ns"]:
-                ode_sys = LinearODE(3, N)
-                th0 = ode_sys.theta_from_A([A0] * N)
-                p = simulate_flow(ode_sys, th0, loss, cfg_ode)
-                i = intrinsic_flow(ode_sys, ode_sys.phi(th0), ode_sys.invariants(th0), loss, cfg_ode)
-                add(f"linear ODE N={N}: discretised balanced formula", "max_rel_error", _fmax(compare(p, i)))
-                add(f"linear ODE N={N}: discretised balanced formula", "conservation_residual",
-                    _fmax(p.conservation_residual()))
-                e = float(np.linalg.norm(p.z[-1] - lim.z[-1]) / np.linalg.norm(lim.z[-1]))
-                errs.append(e)
-                add(f"linear ODE N={N}: vs N→∞ formula at t=1", "max_rel_error", e)
-            slope = float(np.polyfit(np.log(S["ode_Ns"]), np.log(errs), 1)[0])
-            full_rows.setdefault("ode_slope", []).append(slope)
-            if ode is None:
-                ode = {"Ns": S["ode_Ns"], "err": errs, "slope": slope}
+        for lam in S["lams"]:
+            for m in S["ms"]:
+                res = _linear_case(4, m, 4, lam, seed, cfg_lin)
+                add(f"sweep n=r=4 m={m} λ={lam:g}", "max_rel_error", _fmax(res["err"]))
+                add(f"sweep n=r=4 m={m} λ={lam:g}", "conservation_residual", _fmax(res["cons"]))
+        for r in S["rs"]:
+            res = _linear_case(4, 3, r, 0.0, seed, cfg_lin)
+            add(f"sweep λ=0 n=4 m=3 r={r}", "max_rel_error", _fmax(res["err"]))
+            add(f"sweep λ=0 n=4 m=3 r={r}", "conservation_residual", _fmax(res["cons"]))
+        for N in S["depths"]:
+            g = torch.Generator().manual_seed(40_000 + seed)
+            dl = DeepLinear([3] + [4] * (N - 1) + [3])
+            th0 = dl.balanced_init(seed=g)
+            loss = FrobeniusLoss(torch.randn(3, 3, generator=g, dtype=torch.float64))
+            p = simulate_flow(dl, th0, loss, cfg_lin)
+            i = intrinsic_flow(dl, dl.phi(th0), dl.invariants(th0), loss, cfg_lin)
+            add(f"deep linear N={N} balanced: Arora formula", "max_rel_error", _fmax(compare(p, i)))
+            add(f"deep linear N={N} balanced: Arora formula", "conservation_residual",
+                _fmax(p.conservation_residual()))
+        # criterion table: balanced must pass; generic C must fail when r < n + m
+        for (n, m, r) in [(4, 1, 4), (4, 3, 4), (4, 8, 4), (4, 3, 6), (4, 3, 12)]:
+            lf = LinearFactorization(n, m, r)
+            g = torch.Generator().manual_seed(50_000 + seed)
+            inits = [("λ=0 balanced", lf.relaxed_balanced_init(0.0, seed=g))]
+            if n >= r:  # U^T U - V^T V = 0.7 I needs rank r on the U side
+                inits.append(("λ=0.7 balanced", lf.relaxed_balanced_init(0.7, seed=g)))
+            inits.append(("generic C", lf.random_init(seed=g)))
+            for kind, th in inits:
+                rep = check_criterion(lf, th)
+                expected = True if "balanced" in kind else (False if r < n + m else None)
+                if expected is not None and rep.inclusion != expected:
+                    crit_mismatch.append(f"seed {seed} (n,m,r)=({n},{m},{r}) {kind}: {rep.inclusion}")
+                crit_rows.append({"seed": seed, "n": n, "m": m, "r": r, "init": kind, **rep.as_dict(),
+                                  "expected": expected})
+                add(f"criterion (n,m,r)=({n},{m},{r}) {kind}", "criterion_inclusion", float(rep.inclusion))
+        g = torch.Generator().manual_seed(60_000 + seed)
+        for widths in ([3, 4, 2], [3, 4, 4, 2]):
+            drl = DeepReLUPathLift(widths)
+            rep = check_criterion(drl, drl.random_init(seed=g))
+            crit_rows.append({"seed": seed, "system": f"deep ReLU {widths}", **rep.as_dict()})
+            add(f"criterion deep ReLU widths={widths}", "criterion_inclusion", float(rep.inclusion))
+        # level-set counterexample for a generic C at (4, 3, 4)
+        lf = LinearFactorization(4, 3, 4)
+        ce = level_set_counterexample(lf, lf.random_init(seed=g))
+        full_rows.setdefault("counterexample_metric_change", []).append(ce["metric_change"])
+        full_rows.setdefault("counterexample_residual", []).append(ce["residual"])
+        # linear neural ODE: finite-N intrinsic formula and convergence to the N -> infinity formula
+        g = torch.Generator().manual_seed(70_000 + seed)
+        A0 = torch.randn(3, 3, generator=g, dtype=torch.float64) / 3 ** 0.5
+        A0 = 0.5 * (A0 + A0.mT)
+        Y = torch.linalg.matrix_exp(torch.randn(3, 3, generator=g, dtype=torch.float64) / 3 ** 0.5)
+        loss = FrobeniusLoss(Y)
+        cfg_ode = IntrinsicConfig(t_max=S["t_ode"], dt=S["dt"], record_every=10)
+        lim = intrinsic_flow(LinearODE.limit_velocity, torch.linalg.matrix_exp(A0), torch.zeros(0), loss, cfg_ode)
+        errs = []
+        for N in S["ode_Ns"]:
+            ode_sys = LinearODE(3, N)
+            th0 = ode_sys.theta_from_A([A0] * N)
+            p = simulate_flow(ode_sys, th0, loss, cfg_ode)
+            i = intrinsic_flow(ode_sys, ode_sys.phi(th0), ode_sys.invariants(th0), loss, cfg_ode)
+            add(f"linear ODE N={N}: discretised balanced formula", "max_rel_error", _fmax(compare(p, i)))
+            add(f"linear ODE N={N}: discretised balanced formula", "conservation_residual",
+                _fmax(p.conservation_residual()))
+            e = float(np.linalg.norm(p.z[-1] - lim.z[-1]) / np.linalg.norm(lim.z[-1]))
+            errs.append(e)
+            add(f"linear ODE N={N}: vs N→∞ formula at t=1", "max_rel_error", e)
+        slope = float(np.polyfit(np.log(S["ode_Ns"]), np.log(errs), 1)[0])
+        full_rows.setdefault("ode_slope", []).append(slope)
+        if ode is None:
+            ode = {"Ns": S["ode_Ns"], "err": errs, "slope": slope}
 
+    return {"table": table, "agg": agg, "curves": curves, "cons": cons, "full_rows": full_rows,
+            "crit_mismatch": crit_mismatch, "crit_rows": crit_rows, "ode": ode}
+
+
+COLUMNS = ["max_rel_error", "conservation_residual", "t_stop", "criterion_inclusion"]
+AGG_KEYS = ("a_lin", "a_relu", "b", "c_lin", "c_relu", "d", "t_stop", "relu_cont", "relu_changes", "d_relu",
+            "stop_reason", "t_end_cont", "stop_reason_cont")
+
+
+class IntrinsicReproduction(Reproduction[IntrinsicSettings, dict]):
+    id = ID
+    claim = CLAIM
+    settings = SETTINGS
+    threads = 1  # tiny models: more threads only spin
+
+    def measure(self, settings: IntrinsicSettings, seed: int) -> dict[str, Any]:
+        first = not hasattr(self, "_first_done")
+        self._first_done = True
+        return _seed(dataclasses.asdict(settings), seed, first)
+
+    def table(self, settings: IntrinsicSettings, records: Records[dict]) -> Table:
+        table = Table(columns=list(COLUMNS),
+                      notes={"max_rel_error": "max_t ||Z_param - Z_lifted|| / ||Z_param||",
+                             "conservation_residual": "max_t |h(t) - h(0)| along the parameter flow",
+                             "t_stop": "time of the first activation-pattern change (ReLU) or the horizon",
+                             "criterion_inclusion": "1 if ker dphi ∩ ker dh ⊂ ker dM at theta_0"})
+        for r in records:
+            table.extend(r["table"])
+        return table
+
+    def measure_joint(self, settings: IntrinsicSettings, records: Records[dict]) -> dict[str, Any]:
+        """Everything after the seeds (checks, notes, extra, config), computed once as the old run did."""
+        return _finish(dataclasses.asdict(settings), records)
+
+    def checks(self, settings: IntrinsicSettings, records: Records[dict]) -> list[ClaimCheck]:
+        return records.joint["checks"]
+
+    def figures(self, settings: IntrinsicSettings, records: Records[dict], out_dir: Path) -> list[str]:
+        first = records.first
+        return _figures(out_dir, first["curves"], first["cons"], records.joint["ode"])
+
+    def notes(self, settings: IntrinsicSettings, records: Records[dict]) -> str:
+        return records.joint["notes"]
+
+    def config(self, settings: IntrinsicSettings, records: Records[dict]) -> dict[str, Any]:
+        return records.joint["config"]
+
+    def extra(self, settings: IntrinsicSettings, records: Records[dict]) -> dict[str, Any]:
+        return records.joint["extra"]
+
+
+def _finish(S: dict[str, Any], records: Records[dict]) -> dict[str, Any]:
+    seeds = records.seeds
+    agg: dict[str, list[Any]] = {k: [v for r in records for v in r["agg"][k]] for k in AGG_KEYS}
+    full_rows: dict[str, list[float]] = {}
+    for r in records:
+        for k, vs in r["full_rows"].items():
+            full_rows.setdefault(k, []).extend(vs)
+    crit_mismatch = [m for r in records for m in r["crit_mismatch"]]
+    crit_rows = [c for r in records for c in r["crit_rows"]]
+    ode = records.first["ode"]
     checks = [
         ClaimCheck(f"(a) λ-balanced linear (λ={LAM}): max_t relative error, parameter vs intrinsic flow",
                    max(agg["a_lin"]), "<=", 1e-6),
@@ -350,7 +405,6 @@ def _run(mode: str, seeds: Sequence[int], out_dir: Path) -> ReproResult:
             extra["conservation_laws_relu_3_4"] = conservation_law_count(rl, rl.random_init(seed=seeds[0]), max_order=3)
         except Exception as exc:  # pragma: no cover - informational only
             extra["conservation_laws_error"] = repr(exc)
-    figures = _figures(out_dir, curves, cons, ode)
     notes = (
         f"RK4 with dt={S['dt']} in float64 on both the parameter flow (closed-form -J^T grad l, checked against "
         "autograd in the tests) and the lifted flows. Linear: lambda-balanced init by the spec's construction "
@@ -379,26 +433,13 @@ def _run(mode: str, seeds: Sequence[int], out_dir: Path) -> ReproResult:
                       f"{min(c['leakage'] for c in wide):.2g}-{max(c['leakage'] for c in wide):.2g}), i.e. no intrinsic "
                       "dynamic for a generic init there either, with all entries of C as the conservation laws "
                       "(conservation_law_count confirms C carries all of them on small cases).")
-    config = {"mode": mode, "dt": S["dt"], "linear": {"n": N_LIN, "m": M_LIN, "r": R_LIN, "lambda": LAM,
+    config = {"dt": S["dt"], "linear": {"n": N_LIN, "m": M_LIN, "r": R_LIN, "lambda": LAM,
                                                      "t_max": S["t_lin"]},
               "relu": {"d": D_RELU, "k": K_RELU, "n_data": N_DATA, "teacher_neurons": 2, "t_max": S["t_relu"]}}
     if S["full"]:
         config.update({k: S[k] for k in ("lams", "ms", "rs", "depths", "ode_Ns", "t_ode")})
-    result = ReproResult(id=ID, mode=mode, seeds=seeds, claim=CLAIM, table=table, checks=checks, figures=figures,
-                         notes=notes, config=config, wall_time_s=time.perf_counter() - t0,
-                         environment=environment(seeds), extra=extra)
-    result.save(out_dir)
-    return result
+    return {"checks": checks, "notes": notes, "config": config, "extra": extra, "ode": ode}
 
 
-def run(mode: str, seeds: Sequence[int], out_dir: Path) -> ReproResult:
-    """Run the reproduction in ``mode`` ("smoke", "quick" or "full") for ``seeds``; write figures and result.json.
-
-    Uses one torch thread while it runs (tiny models: more threads only spin) and restores the setting.
-    """
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return _run(mode, seeds, out_dir)
-    finally:
-        torch.set_num_threads(threads)
+REPRODUCTION = IntrinsicReproduction
+run = IntrinsicReproduction.run
