@@ -15,20 +15,23 @@ labelled points, used by both stages); ``S1`` with the real stage-2 data (isolat
 labels distilled for one fixed init and retrained from that init (the theory's protocol); and in
 full mode the distilled set with ``M1 = d`` ("unconstrained") and the sweep ``M1 in {1, r, r^2,
 2 r^2, 4 r^2}``, plus a (d, r, L) grid with one seed.
+
+The sizes and budgets are :class:`DistillSettings` (``SETTINGS[mode]``; ``rankwise reproduce
+distill_multiindex --set d=64 steps=1000``). The checks are ``claim`` checks (no paired per-example
+samples: each test MSE is averaged over evaluation initialisations inside the method's code).
 """
 
 from __future__ import annotations
 
-import os
-import tempfile
-import time
+import dataclasses
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
-from rankwise.repro.result import MODES, ClaimCheck, ReproResult, Table, environment
+from rankwise.repro.result import ClaimCheck, Table
+from rankwise.repro.skeleton import Records, Reproduction, Settings, pyplot, save_figure, setting
 from rankwise.science import distill_multiindex as dm
 
 ID = "distill_multiindex"
@@ -46,18 +49,41 @@ S1R = "Distilled S1 + real stage-2 data"
 SAME = "Distilled S1+S2 for one init, retrained from that init"
 
 
-def _sizes(mode: str) -> dict[str, Any]:
-    if mode == "smoke":
-        return {"d": 12, "r": 2, "L": 32, "n1": 800, "n2": 400, "steps": 20, "steps2": 20, "inits": 4,
-                "real_batch": 256, "stage2_inits": 2, "m1_sweep": [], "grid": [], "unconstrained": False, "tol": 1.5,
-                "curve_points": [2, 10]}
-    base = {"d": 32, "r": 2, "L": 128, "n1": 8000, "n2": 4000, "steps": 500, "steps2": 200, "inits": 16,
-            "real_batch": 1024, "stage2_inits": 4, "tol": 1.5, "m1_sweep": [], "grid": [], "unconstrained": False,
-            "curve_points": [2, 11, 45, 90, 360]}
-    if mode == "quick":  # half the method's default stage-1 steps, to fit the 60 s budget
-        return base
-    return {**base, "tol": 1.0, "steps": 1000, "steps2": 300, "curve_points": [2, 5, 11, 22, 45, 90, 180, 360], "m1_sweep": ["1", "r", "r^2", "4r^2"], "unconstrained": True,
-            "grid": [(d, r, L) for d in (32, 64) for r in (1, 2, 3) for L in (64, 256)], "grid_steps": 300}
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DistillSettings(Settings):
+    """What the Distill-MIM reproduction runs; ``SETTINGS[mode]`` holds each mode's values."""
+
+    d: int = setting(32, "input dimension of the multi-index task", lo=1)
+    r: int = setting(2, "task rank (index dimension)", lo=1)
+    L: int = setting(128, "width of the two-layer network (M2 = L stage-2 labels)", lo=1)
+    n1: int = setting(8000, "real stage-1 examples", lo=1)
+    n2: int = setting(4000, "real stage-2 examples", lo=1)
+    steps: int = setting(500, "stage-1 distillation steps (the method's default is 1000)", lo=1)
+    steps2: int = setting(200, "stage-2 distillation steps", lo=1)
+    inits: int = setting(16, "fresh initialisations per stage-1 step", lo=1)
+    real_batch: int = setting(1024, "real batch per stage-1 step", lo=1)
+    stage2_inits: int = setting(4, "initialisations per stage-2 step", lo=1)
+    tol: float = setting(1.5, "tolerance factor of claims (a), (b) (the spec's x1.5 for one-seed runs)", lo=0.0)
+    m1_sweep: tuple[str, ...] = setting((), "M1 sweep of the memory curve (1, r, r^2, 4r^2)")
+    unconstrained: bool = setting(False, "add the distilled set with M1 = d")
+    curve_points: tuple[int, ...] = setting((2, 11, 45, 90, 360), "random-subset sizes of the memory curve", lo=1)
+    grid: tuple[tuple[int, int, int], ...] = setting((), "(d, r, L) grid run with the first seed", lo=1)
+    grid_steps: int = setting(300, "stage-1 steps of the grid runs", lo=1)
+
+    def validate(self) -> None:
+        for tag in self.m1_sweep:
+            if tag not in ("1", "r", "r^2", "2r^2", "4r^2"):
+                raise ValueError(f"DistillSettings.m1_sweep must hold 1, r, r^2, 2r^2 or 4r^2, got {tag!r}")
+
+
+SETTINGS: dict[str, DistillSettings] = {
+    "smoke": DistillSettings(d=12, L=32, n1=800, n2=400, steps=20, steps2=20, inits=4, real_batch=256,
+                             stage2_inits=2, curve_points=(2, 10)),
+    "quick": DistillSettings(),  # half the method's default stage-1 steps, to fit the 60 s budget
+    "full": DistillSettings(tol=1.0, steps=1000, steps2=300, curve_points=(2, 5, 11, 22, 45, 90, 180, 360),
+                            m1_sweep=("1", "r", "r^2", "4r^2"), unconstrained=True,
+                            grid=tuple((d, r, L) for d in (32, 64) for r in (1, 2, 3) for L in (64, 256))),
+}
 
 
 def _m1(tag: str, r: int) -> int:
@@ -78,98 +104,67 @@ def _distill(alg: dm.TwoLayerAlg, task: dm.MultiIndexTask, real: dm.RegressionDa
     return dist.fit(real, task=task)
 
 
-def _savefig(fig: Any, path: Path) -> None:
-    fd, tmp = tempfile.mkstemp(suffix=".png", dir=path.parent)
-    os.close(fd)
-    try:
-        fig.savefig(tmp, dpi=110, bbox_inches="tight")
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
-def run(mode: str, seeds: Sequence[int], out_dir: Path) -> ReproResult:
-    """Run the reproduction (see the module docstring) and return its :class:`ReproResult`."""
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    seeds = [int(s) for s in seeds]
-    if not seeds:
-        raise ValueError("seeds must be a non-empty sequence of ints")
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    from threadpoolctl import threadpool_limits
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # d x L matrices of tens to hundreds: one thread is as fast and immune to contention
-    try:
-        with threadpool_limits(1):
-            return _run(mode, seeds, out_dir)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _run(mode: str, seeds: list[int], out_dir: Path) -> ReproResult:
-    t0 = time.perf_counter()
-    cfg = _sizes(mode)
+def _seed(cfg: dict[str, Any], seed: int, first: bool) -> dict[str, Any]:
+    """One seed: the table fragment, and (first seed) the figure data of ``extra``."""
     d, r, L = cfg["d"], cfg["r"], cfg["L"]
     alg = dm.TwoLayerAlg(width=L)
-    table = Table(columns=COLUMNS, notes={
-        "test_mse": "test MSE / Var(y) on 10^4 fresh samples, mean over 3 new inits (lower is better)",
-        "memory_numbers": "numbers stored (distilled: M1 (d+1) + M2; real points: points (d+1))",
-        "points": "labelled points stored", "energy_ratio": "||U^T X||^2 / ||X||^2 of the stored inputs"})
+    table = Table(columns=COLUMNS)
     extra: dict[str, Any] = {"curve": [], "points_on_U": None, "loss": {}, "grid": []}
-    for si, seed in enumerate(seeds):
-        task = dm.MultiIndexTask(d=d, r=r, seed=1000 + seed)
-        real = task.sample(cfg["n1"] + cfg["n2"], seed=seed)
-        real1, real2 = real.split(cfg["n1"])
-        ds = _distill(alg, task, real, 2 * r * r, cfg, seed)
-        mem = ds.memory_numbers
-        m_pts = dm.points_for_memory(mem, d)
-        rows = {
-            DD: (ds, None, mem, ds.m1 + ds.m2, task.energy_ratio(ds.x1)),
-            FULL: (real1, real2, real.n * (d + 1), real.n, task.energy_ratio(real.x)),
-            S1R: (ds.stage1_data(), real2, None, None, task.energy_ratio(ds.x1)),
-        }
-        rs = dm.random_subset(real, m_pts, seed=seed)
-        kc = dm.k_center_subset(real, m_pts, seed=seed)
-        rows[RAND] = (rs, None, m_pts * (d + 1), m_pts, task.energy_ratio(rs.x))
-        rows[KCEN] = (kc, None, m_pts * (d + 1), m_pts, task.energy_ratio(kc.x))
-        # the theory's protocol: stage-2 labels distilled for one fixed init, retrained from that same init
-        same = dm.GradientMatchingDistiller(alg, m1=ds.m1, stage2_steps=cfg["steps2"], stage2_inits=1,
-                                            stage2_redraw=False, seed=seed)
-        y2f, seed2 = same.distill_stage2(ds.x1, ds.y1, real2)
-        dsf = dm.DistilledSet(ds.x1, ds.y1, y2f, seed2)
-        pool = same.stage2_problem(dsf, real2, seed=seed + 1)
-        table.add(SAME, "test_mse", float(np.mean([net.test_mse(task) for net in pool.networks(alg, y2f)])))
-        table.add(SAME, "memory_numbers", dsf.memory_numbers)
-        table.add(SAME, "energy_ratio", task.energy_ratio(dsf.x1))
-        if cfg["unconstrained"]:
-            du = _distill(alg, task, real, d, cfg, seed)
-            rows[f"Distilled S1+S2 (M1=d={d})"] = (du, None, du.memory_numbers, du.m1 + du.m2, task.energy_ratio(du.x1))
-        for name, (data, st2, memo, pts, en) in rows.items():
-            table.add(name, "test_mse", _eval(alg, task, data, st2))
-            table.add(name, "energy_ratio", en)
-            if memo is not None:
-                table.add(name, "memory_numbers", memo)
-                table.add(name, "points", pts)
-        if si == 0:
-            extra["points_on_U"] = {"x1_U": (ds.x1.double() @ task.U).tolist(),
-                                    "x1_perp_norm": (ds.x1.double() - ds.x1.double() @ task.U @ task.U.T).norm(dim=1).tolist(),
-                                    "real_U": (real.x[:400].double() @ task.U).tolist()}
-            extra["loss"] = {"stage1": ds.history.stage1_loss, "stage2": ds.history.stage2_loss}
-            # memory curve: random subsets at several budgets (cheap), distilled points of the M1 sweep
-            for k in cfg["curve_points"]:
-                sub = dm.random_subset(real, k, seed=seed)
-                extra["curve"].append({"kind": "random subset", "memory": k * (d + 1), "test_mse": _eval(alg, task, sub)})
-            extra["curve"].append({"kind": "distilled", "memory": mem, "test_mse": table.values(DD, "test_mse")[-1],
-                                   "m1": ds.m1})
-            for tag in cfg["m1_sweep"]:
-                m1 = _m1(tag, r)
-                dsm = _distill(alg, task, real, m1, cfg, seed)
-                extra["curve"].append({"kind": "distilled", "memory": dsm.memory_numbers, "m1": m1,
-                                       "test_mse": _eval(alg, task, dsm), "energy": task.energy_ratio(dsm.x1)})
-            extra["full_data"] = table.values(FULL, "test_mse")[-1]
+    task = dm.MultiIndexTask(d=d, r=r, seed=1000 + seed)
+    real = task.sample(cfg["n1"] + cfg["n2"], seed=seed)
+    real1, real2 = real.split(cfg["n1"])
+    ds = _distill(alg, task, real, 2 * r * r, cfg, seed)
+    mem = ds.memory_numbers
+    m_pts = dm.points_for_memory(mem, d)
+    rows = {
+        DD: (ds, None, mem, ds.m1 + ds.m2, task.energy_ratio(ds.x1)),
+        FULL: (real1, real2, real.n * (d + 1), real.n, task.energy_ratio(real.x)),
+        S1R: (ds.stage1_data(), real2, None, None, task.energy_ratio(ds.x1)),
+    }
+    rs = dm.random_subset(real, m_pts, seed=seed)
+    kc = dm.k_center_subset(real, m_pts, seed=seed)
+    rows[RAND] = (rs, None, m_pts * (d + 1), m_pts, task.energy_ratio(rs.x))
+    rows[KCEN] = (kc, None, m_pts * (d + 1), m_pts, task.energy_ratio(kc.x))
+    # the theory's protocol: stage-2 labels distilled for one fixed init, retrained from that same init
+    same = dm.GradientMatchingDistiller(alg, m1=ds.m1, stage2_steps=cfg["steps2"], stage2_inits=1,
+                                        stage2_redraw=False, seed=seed)
+    y2f, seed2 = same.distill_stage2(ds.x1, ds.y1, real2)
+    dsf = dm.DistilledSet(ds.x1, ds.y1, y2f, seed2)
+    pool = same.stage2_problem(dsf, real2, seed=seed + 1)
+    table.add(SAME, "test_mse", float(np.mean([net.test_mse(task) for net in pool.networks(alg, y2f)])))
+    table.add(SAME, "memory_numbers", dsf.memory_numbers)
+    table.add(SAME, "energy_ratio", task.energy_ratio(dsf.x1))
+    if cfg["unconstrained"]:
+        du = _distill(alg, task, real, d, cfg, seed)
+        rows[f"Distilled S1+S2 (M1=d={d})"] = (du, None, du.memory_numbers, du.m1 + du.m2, task.energy_ratio(du.x1))
+    for name, (data, st2, memo, pts, en) in rows.items():
+        table.add(name, "test_mse", _eval(alg, task, data, st2))
+        table.add(name, "energy_ratio", en)
+        if memo is not None:
+            table.add(name, "memory_numbers", memo)
+            table.add(name, "points", pts)
+    if first:
+        extra["points_on_U"] = {"x1_U": (ds.x1.double() @ task.U).tolist(),
+                                "x1_perp_norm": (ds.x1.double() - ds.x1.double() @ task.U @ task.U.T).norm(dim=1).tolist(),
+                                "real_U": (real.x[:400].double() @ task.U).tolist()}
+        extra["loss"] = {"stage1": ds.history.stage1_loss, "stage2": ds.history.stage2_loss}
+        # memory curve: random subsets at several budgets (cheap), distilled points of the M1 sweep
+        for k in cfg["curve_points"]:
+            sub = dm.random_subset(real, k, seed=seed)
+            extra["curve"].append({"kind": "random subset", "memory": k * (d + 1), "test_mse": _eval(alg, task, sub)})
+        extra["curve"].append({"kind": "distilled", "memory": mem, "test_mse": table.values(DD, "test_mse")[-1],
+                               "m1": ds.m1})
+        for tag in cfg["m1_sweep"]:
+            m1 = _m1(tag, r)
+            dsm = _distill(alg, task, real, m1, cfg, seed)
+            extra["curve"].append({"kind": "distilled", "memory": dsm.memory_numbers, "m1": m1,
+                                   "test_mse": _eval(alg, task, dsm), "energy": task.energy_ratio(dsm.x1)})
+        extra["full_data"] = table.values(FULL, "test_mse")[-1]
+    return {"table": table, "extra": extra}
+
+
+def _grid(cfg: dict[str, Any], seeds: list[int]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
     for gd, gr, gL in cfg["grid"]:
         galg = dm.TwoLayerAlg(width=gL)
         task = dm.MultiIndexTask(d=gd, r=gr, seed=1000 + seeds[0])
@@ -179,11 +174,16 @@ def _run(mode: str, seeds: list[int], out_dir: Path) -> ReproResult:
         ds = _distill(galg, task, real, 2 * gr * gr, gcfg, seeds[0], steps=cfg["grid_steps"])
         r1, r2 = real.split(n1)
         m_pts = dm.points_for_memory(ds.memory_numbers, gd)
-        extra["grid"].append({"d": gd, "r": gr, "L": gL, "memory": ds.memory_numbers,
+        out.append({"d": gd, "r": gr, "L": gL, "memory": ds.memory_numbers,
                               "bound": gr * gr * gd + gL, "energy": task.energy_ratio(ds.x1),
                               "dd": _eval(galg, task, ds), "full": _eval(galg, task, r1, r2),
                               "random": _eval(galg, task, dm.random_subset(real, m_pts, seed=seeds[0]))})
 
+    return out
+
+
+def _finish(cfg: dict[str, Any], table: Table) -> tuple[list[ClaimCheck], str, dict[str, Any]]:
+    d, r, L = cfg["d"], cfg["r"], cfg["L"]
     # ---------------- claims (quick: one-seed tolerances x1.5 as the spec says)
     tol = cfg["tol"]
     m = table.mean
@@ -215,26 +215,67 @@ def _run(mode: str, seeds: list[int], out_dir: Path) -> ReproResult:
         f"initialisation changes the features, so L labels cannot reproduce the real readout of every network "
         f"(the least-squares optimum of the labels over 48 networks also stays far from the full data, see the "
         f"method page).")
-    if mode == "quick":
+    if cfg["tol"] == 1.5 and cfg["steps"] > 20:
         notes += " Quick mode uses the spec's x1.5 tolerances for one-seed runs."
-    if mode == "smoke":
+    if cfg["steps"] <= 20:
         notes += " Smoke mode: tiny sizes, the verdict is not meaningful."
-    figures = _figures(out_dir, table, extra, cfg)
-    result = ReproResult(
-        id=ID, mode=mode, seeds=seeds, claim=CLAIM, table=table, checks=checks, figures=figures, notes=notes,
-        config={k: v for k, v in cfg.items()} | {"eval_inits": list(EVAL_INITS), "eta1": "sqrt(d) L", "ridge": 1e-3,
-                                                 "m1": 2 * r * r, "m2": L,
-                                                 "lr": dm.DistillConfig().lr, "stage2_lr": dm.DistillConfig().stage2_lr},
-        wall_time_s=time.perf_counter() - t0, environment=environment(seeds), extra=extra)
-    result.save(out_dir)
-    return result
+    config = {"eval_inits": list(EVAL_INITS), "eta1": "sqrt(d) L", "ridge": 1e-3, "m1": 2 * r * r, "m2": L,
+              "lr": dm.DistillConfig().lr, "stage2_lr": dm.DistillConfig().stage2_lr}
+    return checks, notes, config
+
+
+
+
+class DistillReproduction(Reproduction[DistillSettings, dict]):
+    id = ID
+    claim = CLAIM
+    settings = SETTINGS
+    threads = 1  # d x L matrices of tens to hundreds: one thread is as fast and immune to contention
+
+    def running(self) -> Any:
+        from threadpoolctl import threadpool_limits
+
+        return threadpool_limits(1)
+
+    def measure(self, settings: DistillSettings, seed: int) -> dict[str, Any]:
+        first = not hasattr(self, "_first_done")
+        self._first_done = True
+        return _seed(dataclasses.asdict(settings), seed, first)
+
+    def measure_joint(self, settings: DistillSettings, records: Records[dict]) -> list[dict[str, Any]]:
+        return _grid(dataclasses.asdict(settings), records.seeds)
+
+    def table(self, settings: DistillSettings, records: Records[dict]) -> Table:
+        table = Table(columns=COLUMNS, notes={
+            "test_mse": "test MSE / Var(y) on 10^4 fresh samples, mean over 3 new inits (lower is better)",
+            "memory_numbers": "numbers stored (distilled: M1 (d+1) + M2; real points: points (d+1))",
+            "points": "labelled points stored", "energy_ratio": "||U^T X||^2 / ||X||^2 of the stored inputs"})
+        for r in records:
+            table.extend(r["table"])
+        self._table = table
+        self._finished = _finish(dataclasses.asdict(settings), table)
+        return table
+
+    def checks(self, settings: DistillSettings, records: Records[dict]) -> list[ClaimCheck]:
+        return self._finished[0]
+
+    def extra(self, settings: DistillSettings, records: Records[dict]) -> dict[str, Any]:
+        extra = dict(records.first["extra"])
+        extra["grid"] = records.joint
+        return extra
+
+    def figures(self, settings: DistillSettings, records: Records[dict], out_dir: Path) -> list[str]:
+        return _figures(out_dir, self._table, self.extra(settings, records), dataclasses.asdict(settings))
+
+    def notes(self, settings: DistillSettings, records: Records[dict]) -> str:
+        return self._finished[1]
+
+    def config(self, settings: DistillSettings, records: Records[dict]) -> dict[str, Any]:
+        return self._finished[2]
 
 
 def _figures(out_dir: Path, table: Table, extra: dict[str, Any], cfg: dict[str, Any]) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     names = []
     # 1. accuracy vs memory
@@ -253,9 +294,7 @@ def _figures(out_dir: Path, table: Table, extra: dict[str, Any], cfg: dict[str, 
     ax.set_ylabel("test MSE / Var(y), retrained from new inits")
     ax.set_title(f"Accuracy vs memory (d={cfg['d']}, r={cfg['r']}, L={cfg['L']}, first seed)")
     ax.legend(fontsize=8)
-    _savefig(fig, out_dir / "accuracy_vs_memory.png")
-    plt.close(fig)
-    names.append("accuracy_vs_memory.png")
+    names.append(save_figure(fig, out_dir / "accuracy_vs_memory.png", bbox_inches="tight"))
     # 2. distilled inputs projected on U
     if extra["points_on_U"] is not None:
         p = extra["points_on_U"]
@@ -278,9 +317,7 @@ def _figures(out_dir: Path, table: Table, extra: dict[str, Any], cfg: dict[str, 
         axes[1].set_xlabel("distilled point")
         axes[1].legend(fontsize=8)
         axes[1].set_title("In-subspace vs orthogonal norm")
-        _savefig(fig, out_dir / "distilled_points.png")
-        plt.close(fig)
-        names.append("distilled_points.png")
+        names.append(save_figure(fig, out_dir / "distilled_points.png", bbox_inches="tight"))
     # 3. losses and the table's test MSE
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
     for k, v in extra["loss"].items():
@@ -295,9 +332,7 @@ def _figures(out_dir: Path, table: Table, extra: dict[str, Any], cfg: dict[str, 
     axes[1].set_yticks(range(len(rows)))
     axes[1].set_yticklabels(rows, fontsize=7)
     axes[1].set_xlabel("test MSE / Var(y)")
-    _savefig(fig, out_dir / "losses_and_errors.png")
-    plt.close(fig)
-    names.append("losses_and_errors.png")
+    names.append(save_figure(fig, out_dir / "losses_and_errors.png", bbox_inches="tight"))
     if extra["grid"]:
         fig, ax = plt.subplots(figsize=(6, 4))
         g = extra["grid"]
@@ -312,7 +347,9 @@ def _figures(out_dir: Path, table: Table, extra: dict[str, Any], cfg: dict[str, 
         ax.set_ylabel("memory used")
         ax.legend(fontsize=8)
         ax.set_title("Memory scaling over the (d, r, L) grid (colour: test MSE)")
-        _savefig(fig, out_dir / "memory_scaling.png")
-        plt.close(fig)
-        names.append("memory_scaling.png")
+        names.append(save_figure(fig, out_dir / "memory_scaling.png", bbox_inches="tight"))
     return names
+
+
+REPRODUCTION = DistillReproduction
+run = DistillReproduction.run

@@ -23,6 +23,7 @@ See ``docs/reproductions-howto.md``.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -344,6 +345,10 @@ class Reproduction(Generic[S, R]):
     threads: ClassVar[int | None] = None  # torch threads while measuring (None: leave as is)
 
     # ---- what a reproduction declares
+    def running(self) -> Any:
+        """A context manager held while measuring (default: none; e.g. ``threadpool_limits(1)``)."""
+        return contextlib.nullcontext()
+
     def measure(self, settings: S, seed: int) -> R:
         raise NotImplementedError
 
@@ -406,7 +411,7 @@ def execute(repro: Reproduction[Any, Any], mode: str, seeds: Sequence[int] | Non
     seed_list = _seeds(mode, seeds, settings)
     out = ensure_writable(out_dir)
     t0, c0 = time.perf_counter(), time.process_time()
-    with _threads(repro.threads):
+    with _threads(repro.threads), repro.running():
         records: Records[Any] = Records(seed_list, {s: repro.measure(settings, s) for s in seed_list})
         records.joint = repro.measure_joint(settings, records)
         table = repro.table(settings, records)
