@@ -13,21 +13,25 @@ random centers at phi = 0.15, Optimal = scikit-learn KMeans(n_init=10) on true c
 Full: the quick runs, n in {1000, 2000, 4000, 10000}, k in {4..8}, phi in {0, .05, .1, .15, .2, .25},
 digits k = 10 with p in {1, 2}, the "pick-mins" nearest variant, and the all-pairs PROBSORT reference
 for query counts; the spec's full thresholds.
+
+Sizes, noise rates and sweeps are :class:`RankClusteringSettings` (``SETTINGS[mode]``; ``rankwise
+reproduce rank_clustering --set n=4000 phi=0.1``). The checks are ``claim`` checks on cost ratios (no
+paired per-example samples).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-import os
-import tempfile
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
-from rankwise.repro.result import MODES, ClaimCheck, ReproResult, Table, environment
+from rankwise.repro.result import ClaimCheck, Table
+from rankwise.repro.skeleton import Records, Reproduction, Settings, merge_in_order, pyplot, save_figure, setting
 from rankwise.science.rank_clustering import (
     GenericClusterer,
     QuadrupletOracle,
@@ -91,41 +95,57 @@ def _run_one(X: np.ndarray, k: int, p: float, phi: float, seed: int, algo: str, 
             "calls_norm": res.num_calls / (n * k * math.log(n) ** 2), "wall": wall}
 
 
-def _savefig(fig: Any, path: Path) -> None:
-    fd, tmp = tempfile.mkstemp(suffix=".png", dir=path.parent)
-    os.close(fd)
-    try:
-        fig.savefig(tmp, dpi=110, bbox_inches="tight")
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
 COLS = ["final cost / Optimal", "final (nearest-center) / Optimal", "Coreset+ cost / Optimal", "|C|",
         "oracle calls", "calls / (n k ln^2 n)", "wall s"]
 KEYS = ["final", "final_nearest", "coreset", "size", "calls", "calls_norm", "wall"]
 
 
-def run(mode: str, seeds: Sequence[int], out_dir: Path) -> ReproResult:
-    """Run the reproduction (see the module docstring) and return its :class:`ReproResult`."""
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    seeds = [int(s) for s in seeds]
-    if not seeds:
-        raise ValueError("seeds must be a non-empty sequence of ints")
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    t_start = time.perf_counter()
-    smoke, full = mode == "smoke", mode == "full"
-    n0, k0, phi0 = (250, 3, 0.15) if smoke else (2000, 5, 0.15)
-    margin = 1.0 if full else 1.2  # the spec's quick margins
-    phis_claim = (0.05, 0.25)
-    table = Table(columns=COLS, notes={
-        "final cost / Optimal": "exactly-k cost of the composed mapping v -> M(v) -> final center, / Optimal",
-        "final (nearest-center) / Optimal": "cost_p(V, U) of the k final centers with nearest-center assignment",
-        "Coreset+ cost / Optimal": "sum_v d(v, M(v))^p / Optimal",
-        "oracle calls": "quadruplet queries of the Coreset+ construction (the final step uses |C| coordinates)"})
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RankClusteringSettings(Settings):
+    """What the rank-clustering reproduction runs; ``SETTINGS[mode]`` holds each mode's values."""
+
+    n: int = setting(2000, "points of the blobs of the claims", lo=2)
+    k: int = setting(5, "clusters of the blobs of the claims", lo=1)
+    phi: float = setting(0.15, "oracle error rate of the claims", lo=0.0, hi=0.5)
+    margin: float = setting(1.2, "factor on every threshold (the spec's quick margins: 1.2; full: 1.0)", lo=0.0)
+    phi_sweep: tuple[float, ...] = setting((0.05, 0.15, 0.25), "oracle error rates run (must hold 0.05, phi, 0.25)",
+                                           lo=0.0, hi=0.5)
+    n_sweep: tuple[int, ...] = setting((), "point counts of the query-complexity sweep (full)", lo=2)
+    k_sweep: tuple[int, ...] = setting((), "cluster counts of the k sweep (full)", lo=1)
+    digits: bool = setting(False, "the full-mode extras: digits (k = 10, p in {1, 2}), all-pairs reference, "
+                                  "their checks")
+    nearest_variant: str = setting("first seed", "run the nearest='sort' ALG-G variant on no seed, the first seed "
+                                                 "or every seed", choices=("none", "first seed", "every seed"))
+    allpairs: tuple[int, ...] = setting((), "point counts of the all-pairs PROBSORT reference", lo=2)
+
+    def validate(self) -> None:
+        for phi in (0.05, self.phi, 0.25):
+            if phi not in self.phi_sweep:
+                raise ValueError(f"RankClusteringSettings.phi_sweep must hold {phi:g} (the claims use it), "
+                                 f"got {self.phi_sweep!r}")
+
+
+SETTINGS: dict[str, RankClusteringSettings] = {
+    "smoke": RankClusteringSettings(n=250, k=3, nearest_variant="none"),
+    "quick": RankClusteringSettings(),
+    "full": RankClusteringSettings(margin=1.0, phi_sweep=(0.0, 0.05, 0.1, 0.15, 0.2, 0.25),
+                                   n_sweep=(1000, 2000, 4000, 10_000), k_sweep=(4, 5, 6, 7, 8), digits=True,
+                                   nearest_variant="every seed", allpairs=(40, 80, 160)),
+}
+TABLE_NOTES = {
+    "final cost / Optimal": "exactly-k cost of the composed mapping v -> M(v) -> final center, / Optimal",
+    "final (nearest-center) / Optimal": "cost_p(V, U) of the k final centers with nearest-center assignment",
+    "Coreset+ cost / Optimal": "sum_v d(v, M(v))^p / Optimal",
+    "oracle calls": "quadruplet queries of the Coreset+ construction (the final step uses |C| coordinates)"}
+
+
+def _seed(S: dict[str, Any], seed: int, first: bool) -> dict[str, Any]:
+    """One seed: its table fragment, runs, sweep data and (first seed) the scatter of the figure."""
+    n0, k0, phi0 = S["n"], S["k"], S["phi"]
+    sweep_n, sweep_k = list(S["n_sweep"]), list(S["k_sweep"])
+    sweep_phi = list(S["phi_sweep"])
+    full = S["nearest_variant"] == "every seed"
+    table = Table(columns=COLS)
     runs: dict[str, list[dict[str, float]]] = {}
 
     def record(row: str, met: dict[str, float]) -> None:
@@ -134,63 +154,73 @@ def run(mode: str, seeds: Sequence[int], out_dir: Path) -> ReproResult:
             table.add(row, col, met[key])
 
     opt_cache: dict[tuple[Any, ...], float] = {}
-    sweep_n = [1000, 2000, 4000, 10_000] if full else []
-    sweep_k = [4, 5, 6, 7, 8] if full else []
-    sweep_phi = [0.0, 0.05, 0.1, 0.15, 0.2, 0.25] if full else list(dict.fromkeys((0.05, phi0, 0.25)))
     extra: dict[str, Any] = {"n_sweep": {}, "k_sweep": {}, "phi_sweep": {}, "digits": {}, "allpairs": {}}
     scatter: dict[str, Any] = {}
-    for seed in seeds:
-        X = _blobs(n0, k0, 2, seed)
-        opt = optimal_reference(X, k0, 2, seed=seed)[0]
-        opt_cache[("blobs", n0, k0, seed)] = opt
-        table.add("Optimal (KMeans n_init=10, true coordinates)", "final cost / Optimal", 1.0)
-        for phi in sweep_phi:
+    X = _blobs(n0, k0, 2, seed)
+    opt = optimal_reference(X, k0, 2, seed=seed)[0]
+    opt_cache[("blobs", n0, k0, seed)] = opt
+    table.add("Optimal (KMeans n_init=10, true coordinates)", "final cost / Optimal", 1.0)
+    for phi in sweep_phi:
+        for algo in ("ALG-G", "Generic"):
+            met = _run_one(X, k0, 2, phi, seed, algo, opt)
+            record(f"{algo} phi={phi:g}", met)
+            extra["phi_sweep"].setdefault(f"{algo}", {}).setdefault(f"{phi:g}", []).append(met["final"])
+    record(f"random {k0} centers + knockout phi={phi0:g}", _run_one(X, k0, 2, phi0, seed, "random", opt))
+    if full or (S["nearest_variant"] == "first seed" and first):  # quick: the first seed only (time)
+        record(f"ALG-G (nearest={OTHER}) phi={phi0:g}", _run_one(X, k0, 2, phi0, seed, "ALG-G", opt, nearest=OTHER))
+    if first:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            oracle = QuadrupletOracle.from_points(X, error=phi0, seed=1000 + seed, track_distinct=False)
+        res = RModelClusterer(k=k0, nearest=NEAREST, seed=seed).fit(oracle)
+        fin = weighted_kmeanspp(X[res.centers], res.weights, k0, seed=seed)
+        scatter = {"X": X, "C": res.centers, "w": res.weights, "final": fin.centers, "M": res.mapping}
+    for n in sweep_n:
+        Xn = X if n == n0 else _blobs(n, k0, 2, seed)
+        optn = opt if n == n0 else optimal_reference(Xn, k0, 2, seed=seed)[0]
+        for algo in ("ALG-G", "Generic"):
+            met = runs[f"{algo} phi={phi0:g}"][-1] if n == n0 else _run_one(Xn, k0, 2, phi0, seed, algo, optn)
+            if n != n0:
+                record(f"{algo} n={n}", met)
+            extra["n_sweep"].setdefault(algo, {}).setdefault(str(n), []).append(met)
+    for k in sweep_k:
+        Xk = X if k == k0 else _blobs(n0, k, 2, seed)
+        optk = opt if k == k0 else optimal_reference(Xk, k, 2, seed=seed)[0]
+        for algo in ("ALG-G", "Generic"):
+            met = runs[f"{algo} phi={phi0:g}"][-1] if k == k0 else _run_one(Xk, k, 2, phi0, seed, algo, optk)
+            if k != k0:
+                record(f"{algo} k={k}", met)
+            extra["k_sweep"].setdefault(algo, {}).setdefault(str(k), []).append(met["final"])
+    if S["digits"]:
+        D = _digits()
+        for p in (2, 1):
+            optd = optimal_reference(D, 10, p, seed=seed)[0]
             for algo in ("ALG-G", "Generic"):
-                met = _run_one(X, k0, 2, phi, seed, algo, opt)
-                record(f"{algo} phi={phi:g}", met)
-                extra["phi_sweep"].setdefault(f"{algo}", {}).setdefault(f"{phi:g}", []).append(met["final"])
-        record(f"random {k0} centers + knockout phi={phi0:g}", _run_one(X, k0, 2, phi0, seed, "random", opt))
-        if full or (mode == "quick" and seed == seeds[0]):  # quick: the first seed only (time)
-            record(f"ALG-G (nearest={OTHER}) phi={phi0:g}", _run_one(X, k0, 2, phi0, seed, "ALG-G", opt, nearest=OTHER))
-        if seed == seeds[0]:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                oracle = QuadrupletOracle.from_points(X, error=phi0, seed=1000 + seed, track_distinct=False)
-            res = RModelClusterer(k=k0, nearest=NEAREST, seed=seed).fit(oracle)
-            fin = weighted_kmeanspp(X[res.centers], res.weights, k0, seed=seed)
-            scatter = {"X": X, "C": res.centers, "w": res.weights, "final": fin.centers, "M": res.mapping}
-        for n in sweep_n:
-            Xn = X if n == n0 else _blobs(n, k0, 2, seed)
-            optn = opt if n == n0 else optimal_reference(Xn, k0, 2, seed=seed)[0]
-            for algo in ("ALG-G", "Generic"):
-                met = runs[f"{algo} phi={phi0:g}"][-1] if n == n0 else _run_one(Xn, k0, 2, phi0, seed, algo, optn)
-                if n != n0:
-                    record(f"{algo} n={n}", met)
-                extra["n_sweep"].setdefault(algo, {}).setdefault(str(n), []).append(met)
-        for k in sweep_k:
-            Xk = X if k == k0 else _blobs(n0, k, 2, seed)
-            optk = opt if k == k0 else optimal_reference(Xk, k, 2, seed=seed)[0]
-            for algo in ("ALG-G", "Generic"):
-                met = runs[f"{algo} phi={phi0:g}"][-1] if k == k0 else _run_one(Xk, k, 2, phi0, seed, algo, optk)
-                if k != k0:
-                    record(f"{algo} k={k}", met)
-                extra["k_sweep"].setdefault(algo, {}).setdefault(str(k), []).append(met["final"])
-        if full:
-            D = _digits()
-            for p in (2, 1):
-                optd = optimal_reference(D, 10, p, seed=seed)[0]
-                for algo in ("ALG-G", "Generic"):
-                    met = _run_one(D, 10, p, phi0, seed, algo, optd)
-                    record(f"{algo} digits k=10 p={p}", met)
-                    extra["digits"].setdefault(f"{algo} p={p}", []).append(met)
-    if full:  # all-pairs PROBSORT reference for query counts (Theta(n^2 log n))
-        for n in (40, 80, 160):
-            X = _blobs(n, k0, 2, seeds[0])
-            oracle = QuadrupletOracle.from_points(X, error=phi0, seed=7, track_distinct=False)
-            a, b = np.triu_indices(n, 1)
-            probsort(a.size, lambda e, f: oracle.compare(a[e], b[e], a[f], b[f]))
-            extra["allpairs"][str(n)] = oracle.num_calls
+                met = _run_one(D, 10, p, phi0, seed, algo, optd)
+                record(f"{algo} digits k=10 p={p}", met)
+                extra["digits"].setdefault(f"{algo} p={p}", []).append(met)
+    return {"table": table, "runs": runs, "extra": extra, "scatter": scatter}
 
+
+def _allpairs(S: dict[str, Any], seeds: list[int]) -> dict[str, int]:
+    k0, phi0 = S["k"], S["phi"]
+    out: dict[str, int] = {}
+    for n in S["allpairs"]:
+        X = _blobs(n, k0, 2, seeds[0])
+        oracle = QuadrupletOracle.from_points(X, error=phi0, seed=7, track_distinct=False)
+        a, b = np.triu_indices(n, 1)
+        probsort(a.size, lambda e, f: oracle.compare(a[e], b[e], a[f], b[f]))
+        out[str(n)] = oracle.num_calls
+    return out
+
+
+def _checks(S: dict[str, Any], runs: dict[str, list[dict[str, float]]], extra: dict[str, Any]
+            ) -> tuple[list[ClaimCheck], Any, dict[str, float]]:
+    n0, k0, phi0 = S["n"], S["k"], S["phi"]
+    full = S["digits"]
+    sweep_n, sweep_k = list(S["n_sweep"]), list(S["k_sweep"])
+    margin = S["margin"]
+    phis_claim = (0.05, 0.25)
     def mean(row: str, key: str) -> float:
         return float(np.mean([m[key] for m in runs[row]]))
 
@@ -213,7 +243,7 @@ def run(mode: str, seeds: Sequence[int], out_dir: Path) -> ReproResult:
         ClaimCheck(f"(d) ALG-G |C| / (4 k ln^2 n) at n={n0}", mean(g, "size") / (4 * k0 * ln2), "<=", margin),
         ClaimCheck(f"(e) ALG-G oracle calls / (n k ln^2 n) at n={n0}", mean(g, "calls_norm"), "<=", 50.0 * margin),
     ]
-    if full:
+    if S["digits"]:
         dig2 = float(np.mean([m["final"] for m in extra["digits"]["ALG-G p=2"]]))
         dig1c = float(np.mean([m["coreset"] for m in extra["digits"]["ALG-G p=1"]]))
         checks.insert(1, ClaimCheck("(a) ALG-G final-k cost / Optimal on digits (k=10, p=2) at phi=0.15", dig2, "<=",
@@ -232,11 +262,17 @@ def run(mode: str, seeds: Sequence[int], out_dir: Path) -> ReproResult:
         ap = extra["allpairs"]
         extra["allpairs_slope"] = float(np.polyfit(np.log([float(x) for x in ap]), np.log(list(ap.values())), 1)[0])
 
-    # ------------------------------------------------------------------------------- figures
-    import matplotlib
+    return checks, mean, {"alg_growth": alg_growth, "gen_growth": gen_growth, "lo_phi": lo_phi, "hi_phi": hi_phi}
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+
+def _figures(S: dict[str, Any], seeds: list[int], runs: dict[str, list[dict[str, float]]], extra: dict[str, Any],
+             scatter: dict[str, Any], out_dir: Path) -> list[str]:
+    n0, k0, phi0 = S["n"], S["k"], S["phi"]
+    full = S["digits"]
+    sweep_n, sweep_k = list(S["n_sweep"]), list(S["k_sweep"])
+    g, gen = f"ALG-G phi={phi0:g}", f"Generic phi={phi0:g}"
+    # ------------------------------------------------------------------------------- figures
+    plt = pyplot()
 
     figures: list[str] = []
     fig, ax = plt.subplots(figsize=(7, 4.8))
@@ -251,9 +287,7 @@ def run(mode: str, seeds: Sequence[int], out_dir: Path) -> ReproResult:
     ax.set_ylabel("final k-means cost / Optimal")
     ax.set_title(f"blobs n={n0}, k={k0}, phi={phi0:g} (one point per seed)")
     ax.legend(fontsize=7)
-    _savefig(fig, out_dir / "cost_vs_queries.png")
-    plt.close(fig)
-    figures.append("cost_vs_queries.png")
+    figures.append(save_figure(fig, out_dir / "cost_vs_queries.png", bbox_inches="tight"))
 
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     for algo, mk in (("ALG-G", "o-"), ("Generic", "s-")):
@@ -264,9 +298,7 @@ def run(mode: str, seeds: Sequence[int], out_dir: Path) -> ReproResult:
     ax.set_ylabel("final k-means cost / Optimal")
     ax.set_title(f"noise sensitivity, blobs n={n0}, k={k0}")
     ax.legend()
-    _savefig(fig, out_dir / "cost_vs_noise.png")
-    plt.close(fig)
-    figures.append("cost_vs_noise.png")
+    figures.append(save_figure(fig, out_dir / "cost_vs_noise.png", bbox_inches="tight"))
 
     if scatter:
         fig, ax = plt.subplots(figsize=(6, 6))
@@ -277,11 +309,9 @@ def run(mode: str, seeds: Sequence[int], out_dir: Path) -> ReproResult:
         ax.scatter(scatter["final"][:, 0], scatter["final"][:, 1], marker="X", s=150, c="C3", label="final k centers")
         ax.set_title(f"ALG-G on blobs, phi={phi0:g}, seed {seeds[0]}")
         ax.legend(fontsize=7, loc="best")
-        _savefig(fig, out_dir / "coreset_blobs.png")
-        plt.close(fig)
-        figures.append("coreset_blobs.png")
+        figures.append(save_figure(fig, out_dir / "coreset_blobs.png", bbox_inches="tight"))
 
-    if full:
+    if S["allpairs"] and sweep_n:
         fig, axs = plt.subplots(1, 2, figsize=(12, 4.5))
         ax = axs[0]
         for algo, mk in (("ALG-G", "o-"), ("Generic", "s-")):
@@ -305,10 +335,18 @@ def run(mode: str, seeds: Sequence[int], out_dir: Path) -> ReproResult:
         ax.set_ylabel("final k-means cost / Optimal")
         ax.set_title(f"blobs n={n0}, phi={phi0:g}")
         ax.legend()
-        _savefig(fig, out_dir / "queries_and_k.png")
-        plt.close(fig)
-        figures.append("queries_and_k.png")
+        figures.append(save_figure(fig, out_dir / "queries_and_k.png", bbox_inches="tight"))
 
+    return figures
+
+
+def _notes(S: dict[str, Any], checks: list[ClaimCheck], runs: dict[str, list[dict[str, float]]],
+           extra: dict[str, Any], mean: Any, growth: dict[str, float]) -> str:
+    n0, k0, phi0 = S["n"], S["k"], S["phi"]
+    full = S["digits"]
+    sweep_n, sweep_k = list(S["n_sweep"]), list(S["k_sweep"])
+    g = f"ALG-G phi={phi0:g}"
+    alg_growth, gen_growth, lo_phi, hi_phi = (growth[k] for k in ("alg_growth", "gen_growth", "lo_phi", "hi_phi"))
     for d in ("n_sweep",):
         for algo in extra[d]:
             for key in extra[d][algo]:
@@ -342,12 +380,53 @@ def run(mode: str, seeds: Sequence[int], out_dir: Path) -> ReproResult:
                   "worst dislocation jumps from ~15 to hundreds of ranks on 2000 items and ALG-TESTER's majority of 7 "
                   "votes is wrong ~7% of the time (~1% at 0.15), so kernels and nearest samples degrade; the spec's "
                   "re-implementation constants (7 voters) are small for this noise level.")
-    result = ReproResult(
-        id=ID, mode=mode, seeds=seeds, claim=CLAIM, table=table, checks=checks, figures=figures, notes=notes,
-        config={"n": n0, "k": k0, "p": 2, "phi": phi0, "data": "make_blobs(sigma=1, center_box=(-10,10), dim=2)",
-                "phi_sweep": sweep_phi, "n_sweep": sweep_n, "k_sweep": sweep_k, "nearest": NEAREST,
-                "digits": full, "margin_factor": margin},
-        wall_time_s=time.perf_counter() - t_start, environment=environment(seeds),
-        extra={k: v for k, v in extra.items() if k != "phi_sweep"} | {"phi_sweep": extra["phi_sweep"]})
-    result.save(out_dir)
-    return result
+    return notes
+
+
+class RankClusteringReproduction(Reproduction[RankClusteringSettings, dict]):
+    id = ID
+    claim = CLAIM
+    settings = SETTINGS
+
+    def measure(self, settings: RankClusteringSettings, seed: int) -> dict[str, Any]:
+        first = not hasattr(self, "_first_done")
+        self._first_done = True
+        return _seed(dataclasses.asdict(settings), seed, first)
+
+    def measure_joint(self, settings: RankClusteringSettings, records: Records[dict]) -> dict[str, Any]:
+        runs = merge_in_order([r["runs"] for r in records])
+        extra = merge_in_order([r["extra"] for r in records])
+        extra["allpairs"] = _allpairs(dataclasses.asdict(settings), records.seeds)
+        return {"runs": runs, "extra": extra}
+
+    def table(self, settings: RankClusteringSettings, records: Records[dict]) -> Table:
+        table = Table(columns=COLS, notes=dict(TABLE_NOTES))
+        for r in records:
+            table.extend(r["table"])
+        return table
+
+    def checks(self, settings: RankClusteringSettings, records: Records[dict]) -> list[ClaimCheck]:
+        self._checks = _checks(dataclasses.asdict(settings), records.joint["runs"], records.joint["extra"])
+        return self._checks[0]
+
+    def figures(self, settings: RankClusteringSettings, records: Records[dict], out_dir: Path) -> list[str]:
+        return _figures(dataclasses.asdict(settings), records.seeds, records.joint["runs"], records.joint["extra"],
+                        records.first["scatter"], out_dir)
+
+    def notes(self, settings: RankClusteringSettings, records: Records[dict]) -> str:
+        checks, mean, growth = self._checks
+        return _notes(dataclasses.asdict(settings), checks, records.joint["runs"], records.joint["extra"], mean, growth)
+
+    def config(self, settings: RankClusteringSettings, records: Records[dict]) -> dict[str, Any]:
+        return {"n": settings.n, "k": settings.k, "p": 2, "phi": settings.phi,
+                "data": "make_blobs(sigma=1, center_box=(-10,10), dim=2)", "phi_sweep": list(settings.phi_sweep),
+                "n_sweep": list(settings.n_sweep), "k_sweep": list(settings.k_sweep), "nearest": NEAREST,
+                "digits": settings.digits, "margin_factor": settings.margin}
+
+    def extra(self, settings: RankClusteringSettings, records: Records[dict]) -> dict[str, Any]:
+        extra = records.joint["extra"]
+        return {k: v for k, v in extra.items() if k != "phi_sweep"} | {"phi_sweep": extra["phi_sweep"]}
+
+
+REPRODUCTION = RankClusteringReproduction
+run = RankClusteringReproduction.run

@@ -283,6 +283,23 @@ class Records(Generic[R]):
         return self.by_seed[self.seeds[0]]
 
 
+def merge_in_order(parts: Sequence[Any]) -> Any:
+    """Join per-seed structures in seed order: dicts merge key by key (first-seen key order), lists
+    concatenate, anything else keeps the first value. For modules whose per-seed results fill nested
+    ``{name: [value per seed]}`` collections."""
+    parts = list(parts)
+    if not parts:
+        return None
+    if all(isinstance(p, dict) for p in parts):
+        keys: dict[Any, None] = {}
+        for p in parts:
+            keys.update(dict.fromkeys(p))
+        return {k: merge_in_order([p[k] for p in parts if k in p]) for k in keys}
+    if all(isinstance(p, list) for p in parts):
+        return [x for p in parts for x in p]
+    return parts[0]
+
+
 def save_figure(fig: Any, path: Path | str, **kwargs: Any) -> str:
     """Save a matplotlib figure atomically (temporary file + ``os.replace``) and close it; return its
     file name. Keyword arguments go to ``savefig`` (default ``dpi=110``)."""
