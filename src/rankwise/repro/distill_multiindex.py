@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from rankwise.repro.result import ClaimCheck, Table
 from rankwise.repro.skeleton import Records, Reproduction, Settings, pyplot, save_figure, setting

@@ -217,8 +217,7 @@ def _allpairs(S: dict[str, Any], seeds: list[int]) -> dict[str, int]:
 def _checks(S: dict[str, Any], runs: dict[str, list[dict[str, float]]], extra: dict[str, Any]
             ) -> tuple[list[ClaimCheck], Any, dict[str, float]]:
     n0, k0, phi0 = S["n"], S["k"], S["phi"]
-    full = S["digits"]
-    sweep_n, sweep_k = list(S["n_sweep"]), list(S["k_sweep"])
+    sweep_n = list(S["n_sweep"])
     margin = S["margin"]
     phis_claim = (0.05, 0.25)
     def mean(row: str, key: str) -> float:
@@ -268,7 +267,6 @@ def _checks(S: dict[str, Any], runs: dict[str, list[dict[str, float]]], extra: d
 def _figures(S: dict[str, Any], seeds: list[int], runs: dict[str, list[dict[str, float]]], extra: dict[str, Any],
              scatter: dict[str, Any], out_dir: Path) -> list[str]:
     n0, k0, phi0 = S["n"], S["k"], S["phi"]
-    full = S["digits"]
     sweep_n, sweep_k = list(S["n_sweep"]), list(S["k_sweep"])
     g, gen = f"ALG-G phi={phi0:g}", f"Generic phi={phi0:g}"
     # ------------------------------------------------------------------------------- figures
@@ -342,9 +340,8 @@ def _figures(S: dict[str, Any], seeds: list[int], runs: dict[str, list[dict[str,
 
 def _notes(S: dict[str, Any], checks: list[ClaimCheck], runs: dict[str, list[dict[str, float]]],
            extra: dict[str, Any], mean: Any, growth: dict[str, float]) -> str:
-    n0, k0, phi0 = S["n"], S["k"], S["phi"]
+    phi0 = S["phi"]
     full = S["digits"]
-    sweep_n, sweep_k = list(S["n_sweep"]), list(S["k_sweep"])
     g = f"ALG-G phi={phi0:g}"
     alg_growth, gen_growth, lo_phi, hi_phi = (growth[k] for k in ("alg_growth", "gen_growth", "lo_phi", "hi_phi"))
     for d in ("n_sweep",):

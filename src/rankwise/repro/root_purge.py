@@ -17,20 +17,24 @@ statistics, L = 104, H = 52), scored by the ordinary test MSE.
 Full adds: the data-size x noise grid t_end in {100, 200, 400, 800} x sigma in {0.25, 0.5, 1.0}
 (OLS / RRR / DWRR / Linear / Root Purge, 5000 steps), the lambda sweep {0, 0.5, 1, 2, 4} with the
 singular-value spectra of W, and the DLinear and FITS (frequency-domain) baselines.
+
+Sizes, noise, steps and the full-mode grid are :class:`RootPurgeSettings` (``SETTINGS[mode]``;
+``rankwise reproduce root_purge --set sigma=1.0 steps=3000``). The trained models of all seeds run in
+one vectorised Adam run (seeded by the first seed), so ``measure`` builds each seed's windows and
+``measure_joint`` fits and scores everything. The checks are ``claim`` checks on ratios of mean errors.
 """
 
 from __future__ import annotations
 
-import os
-import tempfile
-import time
+import dataclasses
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 import torch
 
-from rankwise.repro.result import MODES, ClaimCheck, ReproResult, Table, environment
+from rankwise.repro.result import ClaimCheck, Table
+from rankwise.repro.skeleton import Records, Reproduction, Settings, pyplot, save_figure, setting
 from rankwise.science import root_purge as rp
 
 ID = "root_purge"
@@ -43,17 +47,29 @@ L_SYN = H_SYN = 96
 COLUMNS = ["clean_mse", "test_mse", "vs_ols", "rank", "root_dist", "tail80", "top_sv"]
 
 
-def _sizes(mode: str) -> dict[str, Any]:
-    if mode == "smoke":
-        return {"t_end": 40.0, "sigma": 0.5, "steps": 40, "grid": [], "lams": [], "co2": False,
-                "extra_backbones": False, "ar_maxlag": 4, "adamw": False}
-    if mode == "quick":
-        return {"t_end": 150.0, "sigma": 0.5, "steps": 1500, "grid": [], "lams": [], "co2": True,
-                "extra_backbones": False, "ar_maxlag": 96, "adamw": True}
-    return {"t_end": 150.0, "sigma": 0.5, "steps": 5000,
-            "grid": [(te, sg) for te in (100.0, 200.0, 400.0, 800.0) for sg in (0.25, 0.5, 1.0)],
-            "lams": [0.0, 0.5, 1.0, 2.0, 4.0], "co2": True, "extra_backbones": True, "ar_maxlag": 96,
-            "adamw": True}
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RootPurgeSettings(Settings):
+    """What the Root Purge reproduction runs; ``SETTINGS[mode]`` holds each mode's values."""
+
+    t_end: float = setting(150.0, "length of the simulated series (t = 0, 0.05, ..., t_end)", lo=0.0)
+    sigma: float = setting(0.5, "observation noise of the simulated series", lo=0.0)
+    steps: int = setting(1500, "Adam steps of every trained model", lo=1)
+    grid: tuple[tuple[float, float], ...] = setting((), "(t_end, sigma) grid of the data/noise scaling (full)",
+                                                    lo=0.0)
+    lams: tuple[float, ...] = setting((), "Root Purge lambdas of the sweep (full)", lo=0.0)
+    co2: bool = setting(True, "also fit the statsmodels co2 series")
+    extra_backbones: bool = setting(False, "add the DLinear and FITS baselines")
+    ar_maxlag: int = setting(96, "largest AutoReg order tried (AIC)", lo=1)
+    adamw: bool = setting(True, "add the Linear + AdamW (weight decay 0.01) baseline")
+
+
+SETTINGS: dict[str, RootPurgeSettings] = {
+    "smoke": RootPurgeSettings(t_end=40.0, steps=40, co2=False, ar_maxlag=4, adamw=False),
+    "quick": RootPurgeSettings(),
+    "full": RootPurgeSettings(steps=5000, grid=tuple((te, sg) for te in (100.0, 200.0, 400.0, 800.0)
+                                                     for sg in (0.25, 0.5, 1.0)),
+                              lams=(0.0, 0.5, 1.0, 2.0, 4.0), extra_backbones=True),
+}
 
 
 def synthetic(t_end: float, sigma: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -137,53 +153,22 @@ def _co2() -> np.ndarray:
     return (s - s[:a].mean()) / s[:a].std()
 
 
-def _savefig(fig: Any, path: Path) -> None:
-    fd, tmp = tempfile.mkstemp(suffix=".png", dir=path.parent)
-    os.close(fd)
-    try:
-        fig.savefig(tmp, dpi=110, bbox_inches="tight")
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+TABLE_NOTES = {
+    "clean_mse": "MSE of the forecast against the clean future (lower is better)",
+    "test_mse": "MSE against the noisy test future (co2 rows: standardised units)",
+    "vs_ols": "clean_mse / OLS clean_mse of the same seed",
+    "rank": "rank chosen on the validation split",
+    "root_dist": "mean distance of the 6 true roots to their matched learned roots (one-step column)",
+    "tail80": "sum of the bottom 80% singular values of W",
+    "top_sv": "largest singular value of W"}
 
 
-def run(mode: str, seeds: Sequence[int], out_dir: Path) -> ReproResult:
-    """Run the reproduction (see the module docstring) and return its :class:`ReproResult`."""
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    seeds = [int(s) for s in seeds]
-    if not seeds:
-        raise ValueError("seeds must be a non-empty sequence of ints")
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    from threadpoolctl import threadpool_limits
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matrices: threads only add overhead (and contention on 2 cores)
-    try:
-        with threadpool_limits(1):
-            return _run(mode, seeds, out_dir)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _run(mode: str, seeds: list[int], out_dir: Path) -> ReproResult:
-    t0 = time.perf_counter()
-    cfg = _sizes(mode)
+def _joint(cfg: dict[str, Any], seeds: list[int], datas: list[dict[str, torch.Tensor]]
+           ) -> tuple[Table, dict[str, Any]]:
+    """Every fit and score of the run (the trained models of all seeds in one vectorised run)."""
     L, H = L_SYN, H_SYN
-    table = Table(columns=COLUMNS, notes={
-        "clean_mse": "MSE of the forecast against the clean future (lower is better)",
-        "test_mse": "MSE against the noisy test future (co2 rows: standardised units)",
-        "vs_ols": "clean_mse / OLS clean_mse of the same seed",
-        "rank": "rank chosen on the validation split",
-        "root_dist": "mean distance of the 6 true roots to their matched learned roots (one-step column)",
-        "tail80": "sum of the bottom 80% singular values of W",
-        "top_sv": "largest singular value of W"})
+    table = Table(columns=COLUMNS, notes=dict(TABLE_NOTES))
     extra: dict[str, Any] = {"roots": {}, "spectra": {}, "grid": [], "lambda_sweep": {}, "example": {}}
-
-    # ---------------- main setting: closed forms per seed, the trained models of all seeds in one run
-    datas = [_windows(*synthetic(cfg["t_end"], cfg["sigma"], seed), L, H) for seed in seeds]
     members = [(0.0, 0.0), (1.0, 0.0)] + ([(0.0, 0.01)] if cfg["adamw"] else [])
     Wt = _train_many(datas, [m_[0] for m_ in members], cfg["steps"], seeds[0], [m_[1] for m_ in members])
     nm = len(members)
@@ -256,6 +241,10 @@ def _run(mode: str, seeds: list[int], out_dir: Path) -> ReproResult:
                                                "spectrum": rp.singular_values(Wl[j]).tolist(),
                                                "tail80": [rp.tail_singular_sum(Wl[k * nl + j]) for k in range(len(datas))]}
 
+    return table, extra
+
+
+def _checks(table: Table) -> list[ClaimCheck]:
     # ---------------- claims
     m = table.mean
     checks = [
@@ -269,6 +258,10 @@ def _run(mode: str, seeds: list[int], out_dir: Path) -> ReproResult:
                    m("Root Purge (lambda=1)", "tail80") / m("Linear (Adam)", "tail80"), "<", 1.0, unit="x"),
     ]
 
+    return checks
+
+
+def _notes(extra: dict[str, Any], smoke: bool) -> str:
     # ---------------- notes
     lam_note = ""
     if extra["lambda_sweep"]:
@@ -294,26 +287,52 @@ def _run(mode: str, seeds: list[int], out_dir: Path) -> ReproResult:
         "linear forecaster on this signal; the paper's claims compare direct linear forecasters with each other. "
         "co2 (real, nearly noise-free, standardised): rank reduction changes little there, as expected when the "
         "noise is small." + lam_note + scaling_note)
-    if mode == "smoke":
+    if smoke:
         notes += " Smoke mode: tiny sizes, the verdict is not meaningful."
+    return notes
 
-    # ---------------- figures
-    figures = _figures(out_dir, table, extra, cfg)
-    result = ReproResult(
-        id=ID, mode=mode, seeds=seeds, claim=CLAIM, table=table, checks=checks, figures=figures, notes=notes,
-        config={"L": L, "H": H, "t_end": cfg["t_end"], "sigma": cfg["sigma"], "dt": DT, "steps": cfg["steps"],
-                "lr": 1e-3, "batch_size": 64, "lambda": 1.0, "ranks": rp.default_ranks(L, H),
-                "grid": cfg["grid"], "lambda_sweep": cfg["lams"], "co2": {"L": 104, "H": 52} if cfg["co2"] else None},
-        wall_time_s=time.perf_counter() - t0, environment=environment(seeds), extra=extra)
-    result.save(out_dir)
-    return result
+
+class RootPurgeReproduction(Reproduction[RootPurgeSettings, dict]):
+    id = ID
+    claim = CLAIM
+    settings = SETTINGS
+    threads = 1  # tiny matrices: threads only add overhead (and contention on 2 cores)
+
+    def running(self) -> Any:
+        from threadpoolctl import threadpool_limits
+
+        return threadpool_limits(1)
+
+    def measure(self, settings: RootPurgeSettings, seed: int) -> dict[str, torch.Tensor]:
+        return _windows(*synthetic(settings.t_end, settings.sigma, seed), L_SYN, H_SYN)
+
+    def measure_joint(self, settings: RootPurgeSettings, records: Records[dict]) -> tuple[Table, dict[str, Any]]:
+        return _joint(dataclasses.asdict(settings), records.seeds, list(records))
+
+    def table(self, settings: RootPurgeSettings, records: Records[dict]) -> Table:
+        return records.joint[0]
+
+    def checks(self, settings: RootPurgeSettings, records: Records[dict]) -> list[ClaimCheck]:
+        return _checks(records.joint[0])
+
+    def notes(self, settings: RootPurgeSettings, records: Records[dict]) -> str:
+        return _notes(records.joint[1], settings == SETTINGS["smoke"])
+
+    def figures(self, settings: RootPurgeSettings, records: Records[dict], out_dir: Path) -> list[str]:
+        return _figures(out_dir, records.joint[0], records.joint[1], dataclasses.asdict(settings))
+
+    def config(self, settings: RootPurgeSettings, records: Records[dict]) -> dict[str, Any]:
+        return {"L": L_SYN, "H": H_SYN, "t_end": settings.t_end, "sigma": settings.sigma, "dt": DT,
+                "steps": settings.steps, "lr": 1e-3, "batch_size": 64, "lambda": 1.0,
+                "ranks": rp.default_ranks(L_SYN, H_SYN), "grid": [list(g) for g in settings.grid],
+                "lambda_sweep": list(settings.lams), "co2": {"L": 104, "H": 52} if settings.co2 else None}
+
+    def extra(self, settings: RootPurgeSettings, records: Records[dict]) -> dict[str, Any]:
+        return records.joint[1]
 
 
 def _figures(out_dir: Path, table: Table, extra: dict[str, Any], cfg: dict[str, Any]) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     names: list[str] = []
     # 1. clean MSE per method
@@ -327,9 +346,7 @@ def _figures(out_dir: Path, table: Table, extra: dict[str, Any], cfg: dict[str, 
     ax.set_xticklabels(rows, rotation=30, ha="right", fontsize=8)
     ax.set_ylabel("clean MSE (lower is better)")
     ax.set_title(f"Forecast error vs the clean signal (t_end={cfg['t_end']:g}, sigma={cfg['sigma']})")
-    _savefig(fig, out_dir / "clean_mse.png")
-    plt.close(fig)
-    names.append("clean_mse.png")
+    names.append(save_figure(fig, out_dir / "clean_mse.png", bbox_inches="tight"))
     # 2. characteristic roots in the complex plane (top: whole plane; bottom: zoom on the true roots)
     if extra["roots"]:
         k = len(extra["roots"])
@@ -351,9 +368,7 @@ def _figures(out_dir: Path, table: Table, extra: dict[str, Any], cfg: dict[str, 
         axes[0, 0].legend(fontsize=7, loc="lower left")
         axes[1, 0].set_ylabel("zoom near z = 1")
         fig.suptitle("Characteristic roots of the one-step recurrence (first seed)")
-        _savefig(fig, out_dir / "roots.png")
-        plt.close(fig)
-        names.append("roots.png")
+        names.append(save_figure(fig, out_dir / "roots.png", bbox_inches="tight"))
     # 3. singular-value spectra
     fig, ax = plt.subplots(figsize=(6, 3.8))
     if extra["lambda_sweep"]:
@@ -366,9 +381,7 @@ def _figures(out_dir: Path, table: Table, extra: dict[str, Any], cfg: dict[str, 
         ax.set_title("Singular values of W (seed 0)")
     ax.set_xlabel("index")
     ax.legend(fontsize=8)
-    _savefig(fig, out_dir / "spectrum.png")
-    plt.close(fig)
-    names.append("spectrum.png")
+    names.append(save_figure(fig, out_dir / "spectrum.png", bbox_inches="tight"))
     # 4. one forecast
     if extra["example"]:
         ex = extra["example"]
@@ -381,9 +394,7 @@ def _figures(out_dir: Path, table: Table, extra: dict[str, Any], cfg: dict[str, 
             ax.plot(fut, ex[name], lw=1, label=name)
         ax.legend(fontsize=8)
         ax.set_title("One test window (seed 0)")
-        _savefig(fig, out_dir / "forecast.png")
-        plt.close(fig)
-        names.append("forecast.png")
+        names.append(save_figure(fig, out_dir / "forecast.png", bbox_inches="tight"))
     # 5. full: clean MSE vs data size and vs noise
     if extra["grid"]:
         fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
@@ -401,7 +412,9 @@ def _figures(out_dir: Path, table: Table, extra: dict[str, Any], cfg: dict[str, 
             ax.set_ylabel("clean MSE")
             ax.legend(fontsize=8)
         fig.suptitle("Data and noise scaling")
-        _savefig(fig, out_dir / "scaling.png")
-        plt.close(fig)
-        names.append("scaling.png")
+        names.append(save_figure(fig, out_dir / "scaling.png", bbox_inches="tight"))
     return names
+
+
+REPRODUCTION = RootPurgeReproduction
+run = RootPurgeReproduction.run

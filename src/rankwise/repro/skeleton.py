@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Generic, Iterator, Mapping, Sequence, TypeVar
 
 from rankwise.core import validate as V
-from rankwise.repro.result import DEFAULT_SEEDS, MODES, ClaimCheck, Precondition, ReproResult, Table, environment
+from rankwise.repro.result import DEFAULT_SEEDS, ClaimCheck, Precondition, ReproResult, Table, environment
 
 R = TypeVar("R")
 S = TypeVar("S", bound="Settings")
