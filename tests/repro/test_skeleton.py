@@ -287,3 +287,38 @@ def test_every_converted_reproduction_declares_valid_settings() -> None:
             assert isinstance(s, Settings) and s.with_overrides({}) == s, (id, mode)
             assert all(s.docs().values()), f"{id}: every setting is documented"
     assert converted >= 3
+
+
+# --------------------------------------------------------------------------------------------------
+# The command line and the report
+
+
+def test_cli_show_settings_and_set(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from rankwise import cli
+
+    env = {"COLUMNS": "200", "NO_COLOR": "1"}
+    r = CliRunner().invoke(cli.app, ["reproduce", "lora", "--smoke", "--show-settings", "--set", "rank=4",
+                                     "targets=query,key"], env=env)
+    assert r.exit_code == 0, r.output
+    assert "rank" in r.output and " 4 " in r.output and "['query', 'key']" in r.output
+    r = CliRunner().invoke(cli.app, ["reproduce", "lora", "--smoke", "--set", "rnk=4", "--out", str(tmp_path)], env=env)
+    assert r.exit_code != 0 and "unknown setting 'rnk'" in r.output and "the settings are" in r.output
+    r = CliRunner().invoke(cli.app, ["reproduce", "lora", "--smoke", "--set", "rank"], env=env)
+    assert r.exit_code != 0 and "key=value" in r.output
+
+
+def test_report_shows_intervals_reasons_and_preconditions(repro_cache: Path, tmp_path: Path, toy: ModuleType) -> None:
+    from rankwise.repro.report import build_report
+
+    r = reproduce("lora", mode="smoke", out_dir=tmp_path / "run", module=toy, overrides={"floor": "5"})
+    index = build_report({"lora": r}, tmp_path / "report", mode="smoke")
+    page = index.read_text()
+    assert "inconclusive" in page and "95% interval" in page and "Precondition" in page
+    assert "the gain is above the floor" in page and "Settings changed" in page
+    summary = json.loads((tmp_path / "report" / "summary.json").read_text())
+    rec = next(p for p in summary["papers"] if p["id"] == "lora")
+    assert rec["verdict"] == "inconclusive" and rec["reason"].startswith("precondition failed")
+    assert rec["checks"][0]["kind"] == "claim" and len(rec["checks"][0]["ci"]) == 2
+    assert rec["overrides"] == {"floor": "5"} and summary["counts"]["inconclusive"] == 1
