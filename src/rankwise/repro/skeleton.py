@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Generic, Iterator, Mapping, Sequence, TypeVar
 
 from rankwise.core import validate as V
+from rankwise.repro.inputs import ensure_writable, resolve_seeds, validate_mode
 from rankwise.repro.result import DEFAULT_SEEDS, ClaimCheck, Precondition, ReproResult, Table, environment
 
 R = TypeVar("R")
@@ -411,8 +412,6 @@ class Reproduction(Generic[S, R]):
 
 
 def _seeds(mode: str, seeds: Sequence[int] | None, settings: Settings) -> list[int]:
-    from rankwise.repro.harness import resolve_seeds
-
     if seeds is None and settings.seeds is not None:
         seeds = settings.seeds
     return resolve_seeds(mode, seeds if seeds is not None else DEFAULT_SEEDS[mode])
@@ -421,8 +420,6 @@ def _seeds(mode: str, seeds: Sequence[int] | None, settings: Settings) -> list[i
 def execute(repro: Reproduction[Any, Any], mode: str, seeds: Sequence[int] | None, out_dir: Path | str,
             overrides: Mapping[str, Any] | None = None) -> ReproResult:
     """Run ``repro`` in ``mode``: everything around its declarations (see the module docstring)."""
-    from rankwise.repro.harness import ensure_writable, validate_mode
-
     mode = validate_mode(mode)
     settings = type(repro).settings_for(mode, overrides)
     seed_list = _seeds(mode, seeds, settings)
