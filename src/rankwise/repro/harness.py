@@ -402,6 +402,7 @@ def reproduce(
     norm = normalise_overrides(overrides)
     if cls is not None:
         settings = cls.settings_for(mode, overrides)  # validates the overrides before anything runs
+        norm = cls.settings[mode].canonical_overrides(overrides)
         if seeds is None and settings.seeds is not None:
             seeds = settings.seeds
         run = functools.partial(cls.run, overrides=overrides)

@@ -223,6 +223,15 @@ class Settings:
     def to_json(self) -> dict[str, Any]:
         return {f.name: _jsonable(getattr(self, f.name)) for f in dataclasses.fields(self)}
 
+    def canonical_overrides(self, overrides: Mapping[str, Any] | None) -> dict[str, Any]:
+        """``overrides`` as the typed, JSON-able values they give (``{"rank": "4"}`` -> ``{"rank": 4}``),
+        keys sorted: what the result records and the cache key hashes, so that ``--set rank=4`` and
+        ``overrides={"rank": 4}`` are the same run."""
+        if not overrides:
+            return {}
+        values = self.with_overrides(overrides).to_json()
+        return {k: values[k] for k in sorted(overrides)}
+
 
 def _jsonable(x: Any) -> Any:
     if isinstance(x, tuple):
@@ -438,7 +447,8 @@ def execute(repro: Reproduction[Any, Any], mode: str, seeds: Sequence[int] | Non
     config = {**config, "settings": settings.to_json()}
     result = ReproResult(id=repro.id, mode=mode, seeds=seed_list, claim=repro.claim, table=table, checks=checks,
                          figures=list(figures), notes=notes, config=config, extra=extra, preconditions=list(pre),
-                         overrides=normalise_overrides(overrides), environment=environment(seed_list))
+                         overrides=type(repro).settings[mode].canonical_overrides(overrides),
+                         environment=environment(seed_list))
     result.wall_time_s = time.perf_counter() - t0
     result.cpu_time_s = time.process_time() - c0
     result.save(out)
