@@ -18,8 +18,8 @@ the rest:
   ``input_cov`` (``X^T X``, which gives every layer's relative output error
   ``||X W^T - X (A B)^T||_F^2 / ||X W^T||_F^2`` on the calibration data), streamed in float64 by
   :mod:`rankwise.core.stats`, padding tokens excluded (``attention_mask``). A method that needs no
-  statistics (plain SVD with ``measure_error=False``, GFWSVD with ``prepared=`` factors) runs without
-  ``calib``;
+  statistics (plain SVD, GFWSVD with ``prepared=`` factors) also runs without ``calib`` (then no
+  layer error is reported);
 * **ranks** (:mod:`~rankwise.compress.allocation`): ``"uniform"`` (``floor(rho m n / (m + n))``),
   ``"dynamic"`` (Swift-SVD's block-influence allocation, usable with any method), ``"method"`` (the
   method's own ``rank_for``) or an explicit ``{name: rank}`` map;
@@ -175,8 +175,9 @@ def compress(
         if mode != "whole":
             raise ValueError("a precomputed Calibration serves mode='whole' only")
         batches: list[Any] = []
-    elif calib is None and mode == "whole" and not kinds_for(method, cfg) and method.is_prepared(names):
-        batches = []  # nothing to measure: no statistics, nothing left to prepare
+    elif (calib is None and mode == "whole" and not method.needs and cfg.allocation != "dynamic"
+          and method.is_prepared(names)):
+        batches = []  # the method needs no statistics and has nothing left to prepare: no data, no error report
     else:
         batches = materialize_batches(calib)
     if mode == "blocks":

@@ -163,8 +163,9 @@ def register_layer_method(cls: type[LayerMethod]) -> type[LayerMethod]:
     if cls.paired and cls.feed != "compressed":
         raise ValueError(f"{cls.__name__}: paired statistics need feed='compressed', got feed={cls.feed!r}")
     _METHODS[cls.name] = cls
-    if cls.config_class is not None:
-        _BY_CONFIG[cls.config_class] = cls
+    own = cls.__dict__.get("config_class")  # declared by this class: a subclass does not take over its parent's config
+    if own is not None:
+        _BY_CONFIG[own] = cls
     return cls
 
 

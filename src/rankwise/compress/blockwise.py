@@ -28,7 +28,8 @@ from rankwise.compress.base import LayerMethod, PairedStats
 from rankwise.compress.calibration import input_dim_hooks, kinds_for, resolve_mask
 from rankwise.compress.config import CompressConfig
 from rankwise.compress.fitting import Fitter
-from rankwise.compress.progress import Bar, Ledger, param_bytes, stats_bytes, tensor_bytes, track
+from rankwise.compress.progress import Bar, Ledger, stats_bytes, tensor_bytes, track
+from rankwise.compress.progress import param_bytes as model_param_bytes
 from rankwise.compress.targets import StopForward, block_of, first_tensor_arg, layer_groups, out_tensor
 from rankwise.core.errors import NumericalError
 from rankwise.core.stats import CalibrationError, LayerStats, StatsCollector, default_forward
@@ -196,7 +197,7 @@ class BlockRunner:
         self.progress = progress
         self.materialize = materialize or (lambda l: None)
         self.release = release or (lambda l: None)
-        self.param_bytes = param_bytes or (lambda: param_bytes(model))
+        self.param_bytes = param_bytes or (lambda: model_param_bytes(model))
         self.by_block: dict[int, list[str]] = {}
         for n in targets:
             b = block_of(n, path, len(blocks))
@@ -318,7 +319,7 @@ class BlockRunner:
             else:
                 fp = copy.deepcopy(block) if paired else None
                 if fp is not None:
-                    self.ledger.set("fp_block", param_bytes(fp))
+                    self.ledger.set("fp_block", model_param_bytes(fp))
                 if names:
                     groups = layer_groups(block, rel, lambda: self.calls[0].run(block, hc[0]))
                     for g in groups:

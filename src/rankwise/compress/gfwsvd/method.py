@@ -134,7 +134,7 @@ def gfwsvd_compress(
     """Deprecated alias of :func:`rankwise.compress.compress` with a :class:`GFWSVDConfig`.
 
     * ``gfwsvd_compress(model, factors, config)`` is ``compress(model, config, prepared=factors,
-      target=<the layers named in factors>)`` with ``measure_error=False`` (no calibration data):
+      target=<the layers named in factors>)`` (no calibration data, no error report):
       every layer named in ``factors`` is replaced (all or nothing); the same factors serve any ratio;
     * ``gfwsvd_compress(model, calib, config, loss_fn=...)`` is ``compress(model, config, calib,
       loss_fn=...)`` (the factors are collected by :meth:`GFWSVDMethod.prepare`).
@@ -169,6 +169,6 @@ def gfwsvd_compress(
     if unknown:
         raise ValueError(f"ranks given for layers without factors: {unknown[:5]}")
     alloc = {n: (ranks or {}).get(n, cfg.rank(m, k)) for n, (m, k) in shapes.items()}
-    cc = replace(cc, allocation=alloc, measure_error=False)
+    cc = replace(cc, allocation=alloc)
     return compress(model, cc, target=lambda n, m, _w=frozenset(shapes): n in _w, prepared=factors,
                     progress=progress)
