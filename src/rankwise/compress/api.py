@@ -244,30 +244,15 @@ def compress(
             finally:
                 bar.close()
             report.extra["influence"] = cal.influence
+            report.seconds_decomposition = fitter.seconds
         else:
             assert found is not None
             path, blist = found
-            method.cache = None  # block by block: nothing to reuse, keep memory at one block
             t0 = time.perf_counter()
             calls = capture_calls(model, blist[0], batches, forward, mask, progress)
             report.seconds_calibration += time.perf_counter() - t0
             runner = BlockRunner(model, path, blist, calls, names, method, cfg, feed, ledger, progress)
-            runner.track_activations([[c.hidden for c in calls]])
-            energy, influence = None, None
-            if cfg.allocation == "dynamic":
-                t0 = time.perf_counter()
-                energy, influence = runner.energies_and_influence()
-                report.seconds_calibration += time.perf_counter() - t0
-            ranks = allocate_ranks(cfg, method, shapes, influence=influence, energy=energy, block_path=path,
-                                   n_blocks=len(blist))
-            bar = Bar(progress, f"compressing ({method.name}, blocks)", len(names))
-            fitter = Fitter(model, method, cfg, ranks, report, bar)
-            try:
-                report.seconds_calibration += runner.run(fitter)
-            finally:
-                bar.close()
-            report.extra["influence"] = influence
-        report.seconds_decomposition = fitter.seconds
+            report.extra["influence"] = runner.compress(shapes, report, f"compressing ({method.name}, blocks)")
         order = {n: i for i, n in enumerate(names)}
         report.layers.sort(key=lambda r: order[r.name])
     report.params_after = count_parameters(model)

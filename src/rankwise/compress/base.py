@@ -93,7 +93,7 @@ class LayerMethod:
 
     Instances are built with the method's options as keyword arguments (``compress`` passes
     ``CompressConfig.options``). The pipeline may set ``self.cache`` to a dict that lives as long as
-    the :class:`~rankwise.compress.pipeline.Calibration` it fits from; a method may keep there what
+    the :class:`~rankwise.compress.calibration.Calibration` it fits from; a method may keep there what
     depends only on the statistics (an eigendecomposition, a Cholesky factor), so that fitting the
     same calibration at several ranks does that work once.
     """

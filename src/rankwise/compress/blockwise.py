@@ -23,7 +23,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import nn
 
-from rankwise.compress.allocation import block_influence, layer_energy
+from rankwise.compress.allocation import allocate_ranks, block_influence, layer_energy
 from rankwise.compress.base import LayerMethod, PairedStats
 from rankwise.compress.calibration import input_dim_hooks, kinds_for, resolve_mask
 from rankwise.compress.config import CompressConfig
@@ -275,6 +275,35 @@ class BlockRunner:
         finally:
             bar.close()
         return energy, influence
+
+    # -- the whole run ----------------------------------------------------------------------------
+
+    def compress(self, shapes: Mapping[str, tuple[int, int]], report: Any, label: str,
+                 before_run: Callable[[], None] | None = None) -> list[float] | None:
+        """Ranks (after the dynamic allocation's pre-pass when asked), then the main pass; fills ``report``.
+
+        ``before_run()`` is called between the two passes (checkpoint mode starts writing blocks there).
+        Returns the block influence of the pre-pass (None without it).
+        """
+        self.track_activations([[c.hidden for c in self.calls]])
+        energy, influence = None, None
+        if self.cfg.allocation == "dynamic":
+            t0 = time.perf_counter()
+            energy, influence = self.energies_and_influence()
+            report.seconds_calibration += time.perf_counter() - t0
+        ranks = allocate_ranks(self.cfg, self.method, shapes, influence=influence, energy=energy,
+                               block_path=self.path, n_blocks=len(self.blocks))
+        if before_run is not None:
+            before_run()
+        self.method.cache = None  # block by block: nothing to reuse, keep memory at one block
+        bar = Bar(self.progress, label, len(shapes))
+        fitter = Fitter(self.model, self.method, self.cfg, ranks, report, bar)
+        try:
+            report.seconds_calibration += self.run(fitter)
+        finally:
+            bar.close()
+        report.seconds_decomposition = fitter.seconds
+        return influence
 
     # -- main pass --------------------------------------------------------------------------------
 

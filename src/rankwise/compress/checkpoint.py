@@ -17,13 +17,11 @@ import torch
 from torch import nn
 
 import rankwise.compress.serialization as ser
-from rankwise.compress.allocation import allocate_ranks
 from rankwise.compress.base import CompressionReport
 from rankwise.compress.blockwise import BlockRunner, capture_calls, check_block_kwargs
 from rankwise.compress.calibration import calibration_mode, materialize_batches
 from rankwise.compress.config import as_compress_config
-from rankwise.compress.fitting import Fitter
-from rankwise.compress.progress import Bar, Ledger, param_bytes
+from rankwise.compress.progress import Ledger, param_bytes
 from rankwise.compress.targets import find_blocks, resolve_targets
 from rankwise.core.errors import SelectionError
 from rankwise.core.select import Selector
@@ -142,24 +140,9 @@ def compress_checkpoint(
         # the non-block weights are not needed any more: free them (the output copies them from the source)
         ckpt.release(model, nonblock)
         runner = BlockRunner(model, path, blist, calls, names, method, cfg, feed, ledger, progress,
-                              materialize=materialize, release=release)
-        runner.track_activations([[c.hidden for c in calls]])
-        energy, influence = None, None
-        if cfg.allocation == "dynamic":
-            t0 = time.perf_counter()
-            energy, influence = runner.energies_and_influence()
-            report.seconds_calibration += time.perf_counter() - t0
-        ranks = allocate_ranks(cfg, method, shapes, influence=influence, energy=energy, block_path=path,
-                               n_blocks=len(blist))
-        state["write"] = True
-        method.cache = None
-        bar = Bar(progress, f"compressing ({method.name}, checkpoint)", len(names))
-        fitter = Fitter(model, method, cfg, ranks, report, bar)
-        try:
-            report.seconds_calibration += runner.run(fitter)
-        finally:
-            bar.close()
-        report.seconds_decomposition = fitter.seconds
+                             materialize=materialize, release=release)
+        influence = runner.compress(shapes, report, f"compressing ({method.name}, checkpoint)",
+                                    before_run=lambda: state.update(write=True))
         writer.write_block(len(blist), ckpt.read_nonblock(model, lambda n: not in_block(n)))
         report.params_after = count_parameters(model)
         order = {n: i for i, n in enumerate(names)}

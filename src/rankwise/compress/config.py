@@ -14,7 +14,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 import torch
@@ -151,6 +151,21 @@ class MethodConfig:
     def to_compress_config(self) -> CompressConfig:
         """The equivalent :class:`CompressConfig` (the method found by this config's type)."""
         return CompressConfig(method=self.method_class.name, options=self.method_options(), **self.pipeline_settings())
+
+    @classmethod
+    def with_options(cls, config: Any, options: Mapping[str, Any], label: str) -> Any:
+        """``config`` (default ``cls()``) with some fields replaced: how a method built from
+        ``CompressConfig.options`` gets its config. Unknown fields raise ``TypeError`` naming the valid ones."""
+        if config is not None and not isinstance(config, cls):
+            raise TypeError(f"config must be a {cls.__name__}, got {type(config).__name__}")
+        cfg = config if config is not None else cls()
+        if not options:
+            return cfg
+        fields = getattr(cls, "__dataclass_fields__", {})
+        unknown = sorted(set(options) - set(fields))
+        if unknown:
+            raise TypeError(f"unknown {label} option(s) {unknown}; valid: {sorted(fields)}")
+        return replace(cfg, **options)
 
 
 def as_compress_config(config: Any) -> CompressConfig:

@@ -10,8 +10,6 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 import torch
 from torch import nn
 
-from rankwise.core.errors import NumericalError
-from rankwise.core.select import Selector, select
 from rankwise.compress.gfwsvd.config import GFWSVDConfig
 from rankwise.compress.gfwsvd.fisher import (
     KroneckerFactors,
@@ -21,6 +19,8 @@ from rankwise.compress.gfwsvd.fisher import (
     _Operator,
     kfac_from_samples,
 )
+from rankwise.core.errors import NumericalError
+from rankwise.core.select import Selector, select
 from rankwise.core.stats import CalibrationError, LayerStats, default_forward
 
 Tensor = torch.Tensor
@@ -199,7 +199,6 @@ class _RecomputeOperator(_Operator):
 
     def q_step(self, P: Mapping[str, Tensor]) -> dict[str, Tensor]:
         return self._pass(P, "q")
-
 
 
 # ----------------------------------------------------------------------------------------------

@@ -10,22 +10,20 @@ from typing import Any, Callable, Iterable, Mapping
 import torch
 from torch import nn
 
-from rankwise.core.linalg import LowRankFactors, check_finite, weighted_lowrank_factors
-from rankwise.core.select import Selector
-from rankwise.core.stats import CalibrationError, LayerStats
-from rankwise.core.surgery import get_submodule
 from rankwise.compress.api import compress
 from rankwise.compress.base import CompressionReport, LayerMethod, PairedStats, register_layer_method
 from rankwise.compress.gfwsvd.collect import collect_kronecker_fisher
 from rankwise.compress.gfwsvd.config import GFWSVDConfig
 from rankwise.compress.gfwsvd.decompose import kronecker_whiteners
 from rankwise.compress.gfwsvd.fisher import KroneckerFactors, _where
+from rankwise.core.linalg import LowRankFactors, check_finite, weighted_lowrank_factors
+from rankwise.core.select import Selector
+from rankwise.core.stats import CalibrationError, LayerStats
+from rankwise.core.surgery import get_submodule
 
 Tensor = torch.Tensor
 
 __all__ = ["GFWSVDMethod", "gfwsvd_compress"]
-
-
 
 
 @register_layer_method
@@ -47,14 +45,7 @@ class GFWSVDMethod(LayerMethod):
 
     def __init__(self, config: GFWSVDConfig | None = None, factors: Mapping[str, KroneckerFactors] | None = None,
                  **overrides: Any):
-        if config is not None and not isinstance(config, GFWSVDConfig):
-            raise TypeError(f"config must be a GFWSVDConfig, got {type(config).__name__}")
-        cfg = config or GFWSVDConfig()
-        if overrides:
-            unknown = sorted(set(overrides) - set(GFWSVDConfig.__dataclass_fields__))
-            if unknown:
-                raise TypeError(f"unknown GFWSVD option(s) {unknown}; valid: {sorted(GFWSVDConfig.__dataclass_fields__)}")
-            cfg = replace(cfg, **overrides)
+        cfg = GFWSVDConfig.with_options(config, overrides, "GFWSVD")
         self.config = cfg
         self.factors: dict[str, KroneckerFactors] = dict(factors or {})
         self._info: dict[str, Any] = {}

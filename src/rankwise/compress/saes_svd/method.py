@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -76,16 +76,7 @@ class SAESMethod(LayerMethod):
     report_class = SAESReport
 
     def __init__(self, config: SAESConfig | None = None, **options: Any):
-        if config is not None and not isinstance(config, SAESConfig):
-            raise TypeError(f"config must be an SAESConfig, got {type(config).__name__}")
-        cfg = config or SAESConfig()
-        if options:
-            unknown = sorted(set(options) - set(SAESConfig.__dataclass_fields__))
-            if unknown:
-                raise TypeError(f"unknown SAES-SVD option(s) {unknown}; valid: {sorted(SAESConfig.__dataclass_fields__)}")
-            if "beta_bounds" in options:
-                options["beta_bounds"] = tuple(options["beta_bounds"])
-            cfg = replace(cfg, **options)
+        cfg = SAESConfig.with_options(config, options, "SAES-SVD")
         self.config = cfg
         self._info: dict[str, Any] = {}
 
