@@ -152,7 +152,8 @@ def compress(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    config = _deprecated_method_name(config, method)
+    config = _deprecated_method_name(config, method)  # the deprecated method= keyword ends here; below,
+    # `method` is the LayerMethod instance (the name the pipeline has always used for it)
     if target is None and isinstance(config, MethodConfig):
         target = config.default_target
     cfg = as_compress_config(config)
