@@ -10,13 +10,12 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from rankwise.core.adapters import CONFIG_FILE, WEIGHTS_FILE  # noqa: F401  (re-exported)
+from rankwise.core.validate import check_bool, check_choice, check_int, check_positive, check_unit
+
 
 CONFIG_MODES = ("aligned", "fixed")
 INITS = ("gradient", "zero")
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
-_KIND = "rankwise.cdka"
-_OWN_FILES = {CONFIG_FILE, WEIGHTS_FILE}
 _BUDGET_RE = re.compile(r"^lora_r([1-9][0-9]*)$")
 #: Relative tolerance under which two alignment scores count as tied.
 TIE_RTOL = 1e-9
@@ -72,46 +71,34 @@ class CDKAConfig:
     seed: int | None = 0
 
     def __post_init__(self) -> None:
+        c = "CDKAConfig"
         target = (self.target,) if isinstance(self.target, str) else self.target
         if (not isinstance(target, (tuple, list)) or not target
                 or not all(isinstance(t, str) and t for t in target)):
-            raise ValueError("CDKAConfig.target must be a non-empty tuple of module-name patterns, got "
+            raise ValueError(f"{c}.target must be a non-empty tuple of module-name patterns, got "
                              f"{self.target!r} (pass types or callables to adapt(target=...))")
         object.__setattr__(self, "target", tuple(target))
         parse_budget(self.budget, 1, 1)  # validates the form
-        tol = self.budget_tolerance
-        if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not 0.0 <= float(tol) < 1.0:
-            raise ValueError(f"CDKAConfig.budget_tolerance must be in [0, 1), got {tol!r}")
-        object.__setattr__(self, "budget_tolerance", float(tol))
-        if self.config_mode not in CONFIG_MODES:
-            raise ValueError(f"CDKAConfig.config_mode must be one of {CONFIG_MODES}, got {self.config_mode!r}")
+        object.__setattr__(self, "budget_tolerance", check_unit(f"{c}.budget_tolerance", self.budget_tolerance,
+                                                                high_open=True))
+        check_choice(f"{c}.config_mode", self.config_mode, CONFIG_MODES)
         shape = {"r1": self.r1, "r2": self.r2, "r": self.r}
         if self.config_mode == "fixed":
             bad = {k: v for k, v in shape.items() if not _pos_int(v)}
             if bad:
-                raise ValueError(f"CDKAConfig: config_mode='fixed' needs positive ints r1, r2, r; got {bad}")
+                raise ValueError(f"{c}: config_mode='fixed' needs positive ints r1, r2, r; got {bad}")
         else:
             given = {k: v for k, v in shape.items() if v is not None}
             if given:
-                raise ValueError(f"CDKAConfig: {sorted(given)} are only used with config_mode='fixed' "
+                raise ValueError(f"{c}: {sorted(given)} are only used with config_mode='fixed' "
                                  f"(config_mode='aligned' chooses them per layer); got {given}")
-        if self.init not in INITS:
-            raise ValueError(f"CDKAConfig.init must be one of {INITS}, got {self.init!r}")
+        check_choice(f"{c}.init", self.init, INITS)
         for fname in ("alpha", "init_scale"):
-            v = getattr(self, fname)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(float(v)) or v <= 0:
-                raise ValueError(f"CDKAConfig.{fname} must be a finite number > 0, got {v!r}")
-            object.__setattr__(self, fname, float(v))
-        if not isinstance(self.use_rslora, bool):
-            raise ValueError(f"CDKAConfig.use_rslora must be a bool, got {self.use_rslora!r}")
-        if (isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float))
-                or not 0.0 <= float(self.dropout) < 1.0):
-            raise ValueError(f"CDKAConfig.dropout must be in [0, 1), got {self.dropout!r}")
-        object.__setattr__(self, "dropout", float(self.dropout))
-        if not _pos_int(self.calib_batches):
-            raise ValueError(f"CDKAConfig.calib_batches must be an int >= 1, got {self.calib_batches!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise ValueError(f"CDKAConfig.seed must be an int or None, got {self.seed!r}")
+            object.__setattr__(self, fname, check_positive(f"{c}.{fname}", getattr(self, fname)))
+        check_bool(f"{c}.use_rslora", self.use_rslora)
+        object.__setattr__(self, "dropout", check_unit(f"{c}.dropout", self.dropout, high_open=True))
+        check_int(f"{c}.calib_batches", self.calib_batches, 1)
+        check_int(f"{c}.seed", self.seed, allow_none=True)
 
     @property
     def needs_gradient(self) -> bool:

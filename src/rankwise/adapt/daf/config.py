@@ -11,13 +11,10 @@ import torch
 from torch import nn
 
 from rankwise.core.adapters import deprecated_fields
+from rankwise.core.adapters import CONFIG_FILE, WEIGHTS_FILE  # noqa: F401  (re-exported)
 from rankwise.core.validate import check_bool, check_choice, check_int, check_positive, check_unit
 
 
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
-_KIND = "rankwise.daf"
-_OWN_FILES = {CONFIG_FILE, WEIGHTS_FILE}
 RANK_BY = ("score_per_cost", "score")
 FILL = ("stop", "skip")
 ROLES = ("candidate", "training", "frozen")

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from rankwise.core.adapters import deprecated_fields
+from rankwise.core.adapters import CONFIG_FILE, WEIGHTS_FILE  # noqa: F401  (re-exported)
 from rankwise.core.validate import check_bool, check_choice, check_int, check_positive, check_str, check_unit
 
 
@@ -22,10 +23,6 @@ SIMILARITIES = ("rmi", "cosine")
 SHARINGS = ("lora", "sharelora")
 #: The first purely numeric component of a module name is its layer index (depth).
 DEFAULT_DEPTH_REGEX = r"(?:^|\.)(\d+)(?=\.|$)"
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
-_KIND = "rankwise.e2lora"
-_OWN_FILES = {CONFIG_FILE, WEIGHTS_FILE}
 _HALF_LOG_2PI_E = 0.5 * math.log(2.0 * math.pi) + 0.5
 #: Entropy is >= 0 once sigma >= 1/sqrt(2 pi e) ~= 0.242; RMI is then no similarity (see plan_e2lora).
 SIGMA_SIGN_CHANGE = 1.0 / math.sqrt(2.0 * math.pi * math.e)

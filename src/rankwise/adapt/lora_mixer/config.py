@@ -8,7 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Union
 
+from rankwise.core.adapters import CONFIG_FILE, WEIGHTS_FILE  # noqa: F401  (re-exported)
 from rankwise.core.lora import AdapterState
+from rankwise.core.validate import check_bool, check_choice, check_int, check_number, check_positive, check_unit
 
 
 FUSIONS = ("soft", "topk", "hard")
@@ -17,10 +19,6 @@ SHARE = ("none", "layer")
 _QKV = ("query", "key", "value", "q_proj", "k_proj", "v_proj")
 F_DEFINITIONS = ("topk", "top1")
 STAGES = ("experts", "router", "all")
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
-_KIND = "rankwise.lora_mixer"
-_OWN_FILES = {CONFIG_FILE, WEIGHTS_FILE}
 #: Probabilities are clamped to this floor inside log p of the entropy (p log p -> 0 as p -> 0).
 LOG_FLOOR = 1e-12
 DEFAULT_TARGET = ("query", "key", "value", "attention.output.dense", "q_proj", "k_proj", "v_proj", "o_proj",
@@ -78,47 +76,31 @@ class LoRAMixerConfig:
     seed: int | None = 0
 
     def __post_init__(self) -> None:
-        for f in ("num_experts", "rank"):
-            if not _pos_int(getattr(self, f)):
-                raise ValueError(f"LoRAMixerConfig.{f} must be an int >= 1, got {getattr(self, f)!r}")
-        if isinstance(self.top_k_infer, bool) or not isinstance(self.top_k_infer, int) or self.top_k_infer < 1:
-            raise ValueError(f"LoRAMixerConfig.top_k_infer must be an int >= 1, got {self.top_k_infer!r}")
+        c = "LoRAMixerConfig"
+        for f in ("num_experts", "rank", "top_k_infer"):
+            check_int(f"{c}.{f}", getattr(self, f), 1)
         if self.top_k_infer > self.num_experts:
-            warnings.warn(f"LoRAMixerConfig: top_k_infer={self.top_k_infer} > num_experts={self.num_experts}; "
+            warnings.warn(f"{c}: top_k_infer={self.top_k_infer} > num_experts={self.num_experts}; "
                           f"capped at {self.num_experts}", stacklevel=3)
             object.__setattr__(self, "top_k_infer", self.num_experts)
         if self.num_experts == 1:
-            warnings.warn("LoRAMixerConfig: num_experts=1 is plain LoRA (the router has nothing to choose)",
-                          stacklevel=3)
-        if not _number(self.alpha) or float(self.alpha) <= 0:
-            raise ValueError(f"LoRAMixerConfig.alpha must be a finite number > 0, got {self.alpha!r}")
-        if not _number(self.dropout) or not 0.0 <= float(self.dropout) < 1.0:
-            raise ValueError(f"LoRAMixerConfig.dropout must be in [0, 1), got {self.dropout!r}")
-        if not isinstance(self.renormalize, bool):
-            raise ValueError(f"LoRAMixerConfig.renormalize must be a bool, got {self.renormalize!r}")
+            warnings.warn(f"{c}: num_experts=1 is plain LoRA (the router has nothing to choose)", stacklevel=3)
+        object.__setattr__(self, "alpha", check_positive(f"{c}.alpha", self.alpha))
+        object.__setattr__(self, "dropout", check_unit(f"{c}.dropout", self.dropout, high_open=True))
+        check_bool(f"{c}.renormalize", self.renormalize)
         target = (self.target,) if isinstance(self.target, str) else self.target
         if not isinstance(target, (tuple, list)) or not target or not all(isinstance(t, str) and t for t in target):
-            raise ValueError(f"LoRAMixerConfig.target must be a non-empty tuple of module-name patterns, "
+            raise ValueError(f"{c}.target must be a non-empty tuple of module-name patterns, "
                              f"got {self.target!r} (pass types or callables to adapt(target=...))")
         object.__setattr__(self, "target", tuple(target))
         for f in ("rsl_alpha", "rsl_lambda", "preserve_beta"):
-            v = getattr(self, f)
-            if not _number(v) or float(v) < 0:
-                raise ValueError(f"LoRAMixerConfig.{f} must be a finite number >= 0, got {v!r}")
-            object.__setattr__(self, f, float(v))
+            object.__setattr__(self, f, check_number(f"{c}.{f}", getattr(self, f), 0.0))
         if self.entropy_sign not in (1, -1) or isinstance(self.entropy_sign, bool):
-            raise ValueError(f"LoRAMixerConfig.entropy_sign must be +1 or -1, got {self.entropy_sign!r}")
-        if self.f_definition not in F_DEFINITIONS:
-            raise ValueError(f"LoRAMixerConfig.f_definition must be one of {F_DEFINITIONS}, got {self.f_definition!r}")
-        if self.share_router not in SHARE:
-            raise ValueError(f"LoRAMixerConfig.share_router must be one of {SHARE}, got {self.share_router!r}")
-        if not _number(self.router_std) or float(self.router_std) <= 0:
-            raise ValueError(f"LoRAMixerConfig.router_std must be a finite number > 0, got {self.router_std!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise ValueError(f"LoRAMixerConfig.seed must be an int or None, got {self.seed!r}")
-        object.__setattr__(self, "alpha", float(self.alpha))
-        object.__setattr__(self, "dropout", float(self.dropout))
-        object.__setattr__(self, "router_std", float(self.router_std))
+            raise ValueError(f"{c}.entropy_sign must be +1 or -1, got {self.entropy_sign!r}")
+        check_choice(f"{c}.f_definition", self.f_definition, F_DEFINITIONS)
+        check_choice(f"{c}.share_router", self.share_router, SHARE)
+        object.__setattr__(self, "router_std", check_positive(f"{c}.router_std", self.router_std))
+        check_int(f"{c}.seed", self.seed, allow_none=True)
 
 
 def num_parameters(d_in: int, d_out: int, rank: int, num_experts: int) -> int:

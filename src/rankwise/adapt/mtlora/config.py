@@ -7,13 +7,12 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
+from rankwise.core.adapters import CONFIG_FILE, WEIGHTS_FILE  # noqa: F401  (re-exported)
+from rankwise.core.validate import check_choice, check_int, check_number, check_positive, check_unit
+
 
 PLACEMENTS = ("ffn", "attention", "both", "component")
 BASES = ("singular", "column")
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
-_KIND = "rankwise.mtlora"
-_OWN_FILES = {CONFIG_FILE, WEIGHTS_FILE}
 #: Epsilon of the squared coefficient of variation (HydraLoRA's ``cv_squared``).
 CV_EPS = 1e-10
 
@@ -82,25 +81,16 @@ class MtLoRAConfig:
     seed: int | None = 0
 
     def __post_init__(self) -> None:
+        c = "MtLoRAConfig"
         for f in ("rank", "num_experts", "spectral_every", "spectral_max_matrices"):
-            if not _pos_int(getattr(self, f)):
-                raise ValueError(f"MtLoRAConfig.{f} must be an int >= 1, got {getattr(self, f)!r}")
-        if not _number(self.alpha) or float(self.alpha) <= 0:
-            raise ValueError(f"MtLoRAConfig.alpha must be a finite number > 0, got {self.alpha!r}")
-        if self.placement not in PLACEMENTS:
-            raise ValueError(f"MtLoRAConfig.placement must be one of {PLACEMENTS}, got {self.placement!r}")
-        if self.routing_group_size is not None and not _pos_int(self.routing_group_size):
-            raise ValueError(f"MtLoRAConfig.routing_group_size must be None or an int >= 1, "
-                             f"got {self.routing_group_size!r}")
-        if not _number(self.dropout) or not 0.0 <= float(self.dropout) < 1.0:
-            raise ValueError(f"MtLoRAConfig.dropout must be in [0, 1), got {self.dropout!r}")
+            check_int(f"{c}.{f}", getattr(self, f), 1)
+        object.__setattr__(self, "alpha", check_positive(f"{c}.alpha", self.alpha))
+        check_choice(f"{c}.placement", self.placement, PLACEMENTS)
+        check_int(f"{c}.routing_group_size", self.routing_group_size, 1, allow_none=True)
+        object.__setattr__(self, "dropout", check_unit(f"{c}.dropout", self.dropout, high_open=True))
         for f in ("balance_alpha", "spectral_lambda"):
-            v = getattr(self, f)
-            if not _number(v) or float(v) < 0:
-                raise ValueError(f"MtLoRAConfig.{f} must be a finite number >= 0, got {v!r}")
-            object.__setattr__(self, f, float(v))
-        if self.spectral_basis not in BASES:
-            raise ValueError(f"MtLoRAConfig.spectral_basis must be one of {BASES}, got {self.spectral_basis!r}")
+            object.__setattr__(self, f, check_number(f"{c}.{f}", getattr(self, f), 0.0))
+        check_choice(f"{c}.spectral_basis", self.spectral_basis, BASES)
         target = (self.target,) if isinstance(self.target, str) else self.target
         if not isinstance(target, (tuple, list)) or not target or not all(isinstance(t, str) and t for t in target):
             raise ValueError("MtLoRAConfig.target must be a non-empty tuple of module-name patterns, "
@@ -113,10 +103,7 @@ class MtLoRAConfig:
             raise ValueError("MtLoRAConfig.block_pairs must be a tuple of (input suffix, output suffix) string pairs, "
                              f"got {self.block_pairs!r}")
         object.__setattr__(self, "block_pairs", tuple(tuple(p) for p in pairs))
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise ValueError(f"MtLoRAConfig.seed must be an int or None, got {self.seed!r}")
-        object.__setattr__(self, "alpha", float(self.alpha))
-        object.__setattr__(self, "dropout", float(self.dropout))
+        check_int(f"{c}.seed", self.seed, allow_none=True)
         if self.num_experts == 1 and self.routing_group_size is not None:
             warnings.warn("MtLoRAConfig: num_experts=1 disables the router; routing_group_size is ignored",
                           stacklevel=3)

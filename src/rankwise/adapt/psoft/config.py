@@ -7,16 +7,13 @@ from typing import Any
 
 from torch import nn
 
+from rankwise.core.adapters import CONFIG_FILE, WEIGHTS_FILE  # noqa: F401  (re-exported)
 from rankwise.core.adapters import deprecated_fields
 from rankwise.core.validate import check_bool, check_choice, check_int, check_unit
 
 
 CAYLEY = ("neumann", "exact")
 SIDES = ("output", "input")
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
-_KIND = "rankwise.psoft"
-_OWN_FILES = {CONFIG_FILE, WEIGHTS_FILE}
 _UNSUPPORTED = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding, nn.EmbeddingBag)
 #: Above this spectral norm of Q the Neumann series converges slowly (it diverges at 1): a warning suggests "exact".
 NEUMANN_WARN_NORM = 0.9
