@@ -14,8 +14,16 @@ Each adapter method wraps the layers it adapts in a layer class of its own that 
   :func:`adapter_names`, :func:`all_or_nothing`, :func:`require_adapter`, :func:`target_layers`,
   :func:`sync_trainable`, :func:`set_active`, :func:`enable_adapters`, :func:`disable_adapters`,
   :func:`merge_all`, :func:`unmerge_all`, :func:`delete_adapter` and :func:`unload`; and
-  :func:`validate_adapter_name`. Each adapter module exposes thin wrappers of these under its own
-  public names.
+  :func:`validate_adapter_name`.
+* :class:`AdapterMethod`, one instance per family (``CDKA = AdapterMethod(CDKALinear, "rankwise.cdka")``):
+  the whole model-level API built on the above (``set_active``, ``enable``, ``disable``, ``merge``,
+  ``unmerge``, ``delete_adapter``, ``unload(merge=...)``, ``save_adapter``, ``load_adapter``) from two
+  per-layer hooks, :meth:`AdapterLayer.export_adapter` (tensors + JSON record out) and
+  :meth:`AdapterLayer.import_adapter` (install from them), plus what a training run needs from the
+  family. Each adapter package binds its public names to its instance's methods.
+* :func:`deprecated_fields` / :func:`deprecated_kwargs`: old config fields and keyword names kept for
+  one release with a DeprecationWarning; :func:`default_loss`, the calibration loss of gradient-reading
+  methods.
 
 Merging is all-or-nothing across layers: if one layer cannot merge (non-finite result, ...), the layers
 merged before it are unmerged again before the error propagates. Within a layer the merged weight is

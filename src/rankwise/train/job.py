@@ -4,8 +4,8 @@ This is the library behind ``rankwise finetune``::
 
     from rankwise.train.job import FinetuneJob, FinetuneData, run_finetune, load_finetuned
     data = FinetuneData(labels=["neg", "pos"], train=[("good", 1), ...], test=[...], source="my data")
-    res = run_finetune(FinetuneJob(method="psoft", steps=200, out=Path("runs/psoft")), data, build_model)
-    model, tokenizer, meta = load_finetuned("runs/psoft", build_model)
+    res = run_finetune(FinetuneJob(method="lora", steps=200, out=Path("runs/lora")), data, build_model)
+    model, tokenizer, meta = load_finetuned("runs/lora", build_model)
 
 ``build_model(source, num_labels, seed) -> (model, tokenizer)`` builds the classifier: ``source`` is
 ``job.model`` (a ``save_pretrained`` directory) or None for the caller's default; ``rankwise finetune``
