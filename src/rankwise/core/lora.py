@@ -37,13 +37,12 @@ import torch
 from torch import nn
 
 from rankwise.core import adapters, io
-from rankwise.core.adapters import AdapterLayer, AdapterMethod, validate_adapter_name
+from rankwise.core.adapters import AdapterLayer, validate_adapter_name
 from rankwise.core.errors import ArtifactError, RankwiseError
 from rankwise.core.select import Selector
 from rankwise.core.surgery import replace_module
 
 __all__ = [
-    "LORA",
     "AdapterState",
     "LoraLinear",
     "add_lora",
@@ -247,46 +246,46 @@ class LoraLinear(AdapterLayer):
 # model-level operations
 # ------------------------------------------------------------------------------------------------
 
-class _LoRAMethod(AdapterMethod):
-    """The LoRA family's model-level API. Its artefact is a PEFT LoRA directory
-    (:mod:`rankwise.core.peft_format`), read and written through :class:`AdapterState`."""
-
-    factor_pairs = True
-
-    def save_adapter(self, model: nn.Module, directory: str | Path, name: str = "default", *,
-                     overwrite: bool | None = None) -> Path:
-        """Save adapter ``name`` of ``model`` as a PEFT-compatible LoRA directory (+ rankwise fingerprint),
-        atomically. Load it back with :meth:`load_adapter`, or with ``peft.PeftModel.from_pretrained``."""
-        from rankwise.core.peft_format import write_adapter_dir
-
-        return write_adapter_dir(get_state(model, name), directory, name=name,
-                                 module_names=base_module_names(model), overwrite=overwrite)
-
-    def load_adapter(self, model: nn.Module, directory: str | Path, name: str = "default", *,
-                     check_base: bool = True) -> nn.Module:
-        """Load a LoRA directory saved by rankwise or PEFT into ``model`` as adapter ``name`` (active).
-
-        Rejects (ArtifactError, model unchanged): a missing, corrupt or truncated file; an adapter saved
-        for another base model (fingerprint; skip with ``check_base=False``); modules that are missing or
-        of other shapes; unsupported PEFT features. Factors load bit-exactly.
-        """
-        from rankwise.core.peft_format import import_peft
-
-        state = import_peft(directory, model)
-        set_state(model, state, name, check_base=check_base, source=str(directory))
-        return model
+def lora_layers(model: nn.Module) -> list[tuple[str, LoraLinear]]:
+    """``(qualified name, LoraLinear)`` of every LoRA layer of ``model``, in model order."""
+    return adapters.adapted_layers(model, LoraLinear)
 
 
-#: LoRA's model-level adapter API (set_active, merge, save_adapter, load_adapter, ...).
-LORA = _LoRAMethod(LoraLinear, "rankwise.lora", default_lr=1e-3)
+def adapter_names(model: nn.Module) -> list[str]:
+    """Names of the adapters present in ``model`` (in order of first appearance)."""
+    return adapters.adapter_names(model, LoraLinear)
 
-lora_layers = LORA.layers
-adapter_names = LORA.adapter_names
-set_active = LORA.set_active
-enable_adapters = LORA.enable
-disable_adapters = LORA.disable
-delete_adapter = LORA.delete_adapter
-unload = LORA.unload
+
+def set_active(model: nn.Module, names: str | Sequence[str]) -> None:
+    """Make ``names`` the active adapter(s) of every LoRA layer (trainable); others inactive (frozen).
+
+    A layer that lacks some of the names activates those it has.
+    """
+    adapters.set_active(model, names, LoraLinear)
+
+
+def enable_adapters(model: nn.Module) -> None:
+    """Turn the active adapters back on (after :func:`disable_adapters`)."""
+    adapters.enable_adapters(model, LoraLinear)
+
+
+def disable_adapters(model: nn.Module) -> None:
+    """Make the model compute the base model's outputs (adapters kept). Refused while merged."""
+    adapters.disable_adapters(model, LoraLinear)
+
+
+def delete_adapter(model: nn.Module, name: str) -> None:
+    """Remove adapter ``name`` from every layer (a layer left without adapters gets its plain Linear back)."""
+    adapters.delete_adapter(model, name, LoraLinear)
+
+
+@adapters.deprecated_kwargs(merge_first="merge")
+def unload(model: nn.Module, merge: bool = True) -> nn.Module:
+    """Replace every LoraLinear by its base Linear, merging the active adapters first if ``merge``.
+
+    The result is a plain model (no LoRA modules), e.g. to save with ``save_pretrained``.
+    """
+    return adapters.unload(model, LoraLinear, merge)
 
 
 def base_module_names(model: nn.Module) -> list[str]:
@@ -297,16 +296,16 @@ def base_module_names(model: nn.Module) -> list[str]:
 
 def _all_or_nothing(model: nn.Module) -> contextlib.AbstractContextManager[None]:
     """Undo module replacements, requires_grad changes and LoraLinear state changes on error."""
-    return LORA.all_or_nothing(model)
+    return adapters.all_or_nothing(model, LoraLinear)
 
 
 def _require_adapter(model: nn.Module, name: str) -> list[tuple[str, LoraLinear]]:
-    return LORA.require_adapter(model, name)
+    return adapters.require_adapter(model, name, LoraLinear)
 
 
 def _sync_trainable(model: nn.Module, freeze_base: bool) -> None:
     """Active adapters' factors trainable, inactive ones frozen; the base frozen when ``freeze_base``."""
-    LORA.sync_trainable(model, freeze_base)
+    adapters.sync_trainable(model, LoraLinear, freeze_base)
 
 
 def _resolve(value: Any, name: str, module: nn.Module, what: str) -> Any:
@@ -321,7 +320,7 @@ def _resolve(value: Any, name: str, module: nn.Module, what: str) -> Any:
 
 def _target_layers(model: nn.Module, target: Selector) -> list[tuple[str, nn.Module]]:
     """Linear layers (or existing LoraLinear wrappers) that ``target`` selects, never LoRA internals."""
-    return LORA.target_layers(model, target, typed=True)
+    return adapters.target_layers(model, target, LoraLinear, typed=True)
 
 
 def add_lora(

@@ -15,8 +15,10 @@ A LoRA adapter directory (what ``rankwise.adapt.lora.save_adapter`` and PEFT's `
 :func:`write_adapter_dir` writes a state in this layout (so ``peft.PeftModel.from_pretrained(base, dir)``
 loads it) and :func:`import_peft` reads one, from rankwise or from PEFT (standard LoRA on ``nn.Linear``
 only: DoRA, bias training, ``modules_to_save``, embedding/conv targets, base-modifying initialisations
-and the other PEFT variants are rejected with a clear error). This lives in ``core`` because merging
-methods and federated training exchange LoRA directories too; ``rankwise.adapt.lora`` re-exports both.
+and the other PEFT variants are rejected with a clear error). :data:`LORA` is the LoRA family's
+:class:`~rankwise.core.adapters.AdapterMethod`, whose artefact is this directory. This lives in ``core``
+because merging methods and federated training exchange LoRA directories too; ``rankwise.adapt.lora``
+re-exports all of it.
 """
 
 from __future__ import annotations
@@ -31,10 +33,20 @@ import torch
 from torch import nn
 
 from rankwise.core import io
+from rankwise.core.adapters import AdapterMethod
 from rankwise.core.errors import ArtifactError, RankwiseError
-from rankwise.core.lora import AdapterState, check_state_fits, lora_scaling
+from rankwise.core.lora import (
+    AdapterState,
+    LoraLinear,
+    base_module_names,
+    check_state_fits,
+    get_state,
+    lora_scaling,
+    set_state,
+)
 
-__all__ = ["CONFIG_FILE", "WEIGHTS_FILE", "import_peft", "peft_config_dict", "write_adapter_dir"]
+__all__ = ["CONFIG_FILE", "LORA", "WEIGHTS_FILE", "LoRAMethod", "import_peft", "peft_config_dict",
+           "write_adapter_dir"]
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -333,3 +345,37 @@ def import_peft(directory: str | Path, model: nn.Module | None = None) -> Adapte
     if model is not None:
         check_state_fits(model, state, str(directory))
     return state
+
+
+# ------------------------------------------------------------------------------------------------
+# the LoRA family's AdapterMethod: the layer of rankwise.core.lora, this directory as its artefact
+# ------------------------------------------------------------------------------------------------
+
+class LoRAMethod(AdapterMethod):
+    """LoRA's model-level API; its artefact is a PEFT LoRA directory, read and written through
+    :class:`~rankwise.core.lora.AdapterState` (:func:`write_adapter_dir`, :func:`import_peft`)."""
+
+    factor_pairs = True
+
+    def save_adapter(self, model: nn.Module, directory: str | Path, name: str = "default", *,
+                     overwrite: bool | None = None) -> Path:
+        """Save adapter ``name`` of ``model`` as a PEFT-compatible LoRA directory (+ rankwise fingerprint),
+        atomically. Load it back with :meth:`load_adapter`, or with ``peft.PeftModel.from_pretrained``."""
+        return write_adapter_dir(get_state(model, name), directory, name=name,
+                                 module_names=base_module_names(model), overwrite=overwrite)
+
+    def load_adapter(self, model: nn.Module, directory: str | Path, name: str = "default", *,
+                     check_base: bool = True) -> nn.Module:
+        """Load a LoRA directory saved by rankwise or PEFT into ``model`` as adapter ``name`` (active).
+
+        Rejects (ArtifactError, model unchanged): a missing, corrupt or truncated file; an adapter saved
+        for another base model (fingerprint; skip with ``check_base=False``); modules that are missing or
+        of other shapes; unsupported PEFT features. Factors load bit-exactly.
+        """
+        state = import_peft(directory, model)
+        set_state(model, state, name, check_base=check_base, source=str(directory))
+        return model
+
+
+#: LoRA's model-level adapter API (set_active, merge, save_adapter, load_adapter, ...).
+LORA = LoRAMethod(LoraLinear, "rankwise.lora", default_lr=1e-3)

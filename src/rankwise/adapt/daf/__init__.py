@@ -75,38 +75,40 @@ from rankwise.adapt.daf.layer import (  # noqa: F401
     RankwiseError,
     validate_adapter_name,
 )
-from rankwise.adapt.daf.model import (  # noqa: F401
+from rankwise.adapt.daf.analysis import (  # noqa: F401
     active_parameter_count,
+    apply_allocation,
+    check_refocusable,
+    default_loss,
+    refocus_optimizer,
+    SelectionError,
+    take_batches,
+    taylor_sensitivity,
+)
+from rankwise.adapt.daf.controller import (  # noqa: F401
+    DAFController,
+    DAFRound,
+)
+from rankwise.adapt.daf.model import (  # noqa: F401
     adapt,
     adapter_names,
-    apply_allocation,
     ArtifactError,
-    check_refocusable,
     DAF,
     daf_layers,
-    default_loss,
+    DAFTrainer,
     delete_adapter,
     disable_adapters,
     enable_adapters,
     load_adapter,
     merge,
-    refocus_optimizer,
     register,
     replace_module,
     report,
     save_adapter,
-    SelectionError,
     Selector,
     set_active,
-    take_batches,
-    taylor_sensitivity,
     unload,
     unmerge,
-)
-from rankwise.adapt.daf.controller import (  # noqa: F401
-    DAFController,
-    DAFRound,
-    DAFTrainer,
 )
 
 __all__ = [

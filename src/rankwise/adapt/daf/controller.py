@@ -1,5 +1,5 @@
-"""DAF during training: :class:`DAFController` runs the periodic re-allocation rounds, :class:`DAFTrainer`
-a minimal loop around it."""
+"""DAF during training: :class:`DAFController` runs the periodic re-allocation rounds (:class:`DAFRound`
+records one)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,12 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
+from rankwise.adapt.daf.analysis import _unit_params, active_parameter_count, apply_allocation, check_refocusable, refocus_optimizer, take_batches, taylor_sensitivity
 from rankwise.adapt.daf.config import DAFConfig, LossFn, _pos_int, log
 from rankwise.adapt.daf.functional import allocate, change_fraction, resolve_budget, smooth
-from rankwise.adapt.daf.model import _layers_of, _unit_params, active_parameter_count, adapt, adapter_names, apply_allocation, check_refocusable, refocus_optimizer, take_batches, taylor_sensitivity
-from rankwise.core.errors import NumericalError, RankwiseError
-from rankwise.core.select import Selector
+from rankwise.adapt.daf.layer import DAFLinear
+from rankwise.core.adapters import require_adapter
+from rankwise.core.errors import RankwiseError
 
 
 # the training-time controller
@@ -69,7 +70,7 @@ class DAFController:
     def __init__(self, model: nn.Module, analysis_data: Iterable[Any], loss_fn: LossFn | None = None, *,
                  name: str = "default", config: DAFConfig | None = None, total_steps: int | None = None,
                  make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None) -> None:
-        layers = _layers_of(model, name)
+        layers = require_adapter(model, name, DAFLinear)
         meta = layers[0][1].adapter_config[name]
         self.config = config if config is not None else DAFConfig.from_json(meta)
         if not isinstance(self.config, DAFConfig):
@@ -90,10 +91,10 @@ class DAFController:
         self.budget_trace: list[int] = []
 
     def costs(self) -> dict[str, int]:
-        return {n: layer.cost(self.config.rank) for n, layer in _layers_of(self.model, self.name)}
+        return {n: layer.cost(self.config.rank) for n, layer in require_adapter(self.model, self.name, DAFLinear)}
 
     def selected(self) -> list[str]:
-        return [n for n, layer in _layers_of(self.model, self.name) if layer.role[self.name] == "training"]
+        return [n for n, layer in require_adapter(self.model, self.name, DAFLinear) if layer.role[self.name] == "training"]
 
     def due(self, step: int) -> bool:
         return step > 0 and step % self.interval == 0 and (self.total_steps is None or step < self.total_steps)
@@ -109,7 +110,7 @@ class DAFController:
         """Analyse now (steps 1-2), allocate (3), test the change (4), rebuild and refocus (5)."""
         if optimizer is not None and self.make_optimizer is None:
             check_refocusable(optimizer)  # before anything changes
-        layers = dict(_layers_of(self.model, self.name))
+        layers = dict(require_adapter(self.model, self.name, DAFLinear))
         previous = self.selected()
         raw = taylor_sensitivity(self.model, self.batches, self.loss_fn, layers=list(layers.items()),
                                  context="current", seed=self.config.seed, train_mode=self.config.analysis_train_mode)
@@ -180,63 +181,3 @@ class DAFController:
                                         "combine it with make_optimizer")
                 trainer.params[:] = [p for p in trainer.model.parameters() if p.requires_grad]
         return call
-
-
-class DAFTrainer:
-    """A self-contained DAF training loop (the spec's API sketch): round 0, periodic rounds, an optimizer factory.
-
-    ``DAFTrainer(model, cfg, train_loader, loss_fn, make_optimizer).fit(steps)`` adapts ``model`` (if it
-    has no DAF adapter ``name`` yet) on the first batches of ``train_loader``, then trains ``steps``
-    steps, cycling over the loader, rebuilding the optimizer with ``make_optimizer`` after every
-    applied round. ``history``: one :class:`DAFRound` per analysis; ``losses``; ``budget_trace``.
-    Parameters that should train besides the adapter (a head) must have ``requires_grad`` set after
-    construction, before :meth:`fit`.
-    """
-
-    def __init__(self, model: nn.Module, config: DAFConfig, train_loader: Iterable[Any], loss_fn: LossFn,
-                 make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer], *, name: str = "default",
-                 target: Selector = None) -> None:
-        """``target`` (types, patterns or a predicate) overrides ``config.target`` for the candidates."""
-        if not callable(make_optimizer):
-            raise TypeError("DAFTrainer needs make_optimizer, a factory f(params) -> torch.optim.Optimizer "
-                            "(DAF changes the trainable set during training)")
-        self.model, self.config, self.loader, self.loss_fn = model, config, train_loader, loss_fn
-        self.make_optimizer, self.name = make_optimizer, name
-        if name not in adapter_names(model):
-            adapt(model, config, target=target, name=name, calib=train_loader, loss_fn=loss_fn)
-        self.losses: list[float] = []
-        self.controller: DAFController | None = None
-
-    @property
-    def history(self) -> list[DAFRound]:
-        return [] if self.controller is None else self.controller.history
-
-    @property
-    def budget_trace(self) -> list[int]:
-        return [] if self.controller is None else self.controller.budget_trace
-
-    def fit(self, steps: int) -> "DAFTrainer":
-        if not _pos_int(steps):
-            raise ValueError(f"steps must be an int >= 1, got {steps!r}")
-        self.controller = DAFController(self.model, self.loader, self.loss_fn, name=self.name, config=self.config,
-                                        total_steps=steps, make_optimizer=self.make_optimizer)
-        opt = self.make_optimizer([p for p in self.model.parameters() if p.requires_grad])
-        it = iter(self.loader)
-        self.model.train()
-        for step in range(steps):
-            rnd = self.controller.maybe_update(step, opt)
-            if rnd is not None and rnd.applied:
-                opt = self.controller.optimizer
-            try:
-                batch = next(it)
-            except StopIteration:
-                it = iter(self.loader)
-                batch = next(it)
-            loss = self.loss_fn(self.model, batch)
-            if not bool(torch.isfinite(loss.detach())):
-                raise NumericalError(f"DAFTrainer: training loss is {float(loss.detach())} at step {step}")
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            self.losses.append(float(loss.detach()))
-        return self

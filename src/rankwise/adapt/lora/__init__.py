@@ -11,8 +11,8 @@ Usage::
     save_adapter(model, "my_adapter")            # rankwise directory == PEFT directory + fingerprint
     export_peft(model, "for_peft", base_model_name_or_path="sentence-transformers/all-MiniLM-L6-v2")
 
-The layer, the adapter state and the model-level API (:data:`LORA`) live in :mod:`rankwise.core.lora`,
-the PEFT directory format in :mod:`rankwise.core.peft_format` (both shared with merging, federated
+The layer and the adapter state live in :mod:`rankwise.core.lora`, the PEFT directory format and the
+model-level API (:data:`LORA`) in :mod:`rankwise.core.peft_format` (both shared with merging, federated
 training and the LoRA optimizers); this package is the method: its config (``config.py``), the entry
 point and the PEFT export (``model.py``), and re-exports of the shared names.
 
@@ -41,7 +41,6 @@ from rankwise.adapt.lora.config import LoraConfig
 from rankwise.adapt.lora.model import adapt, export_peft, load_adapter, load_peft, merge, save_adapter, unmerge
 from rankwise.core.lora import (  # noqa: F401  (the layer and the adapter state live in core)
     INITS,
-    LORA,
     AdapterState,
     LoraLinear,
     add_lora,
@@ -62,6 +61,7 @@ from rankwise.core.lora import (  # noqa: F401  (the layer and the adapter state
 )
 from rankwise.core.peft_format import (  # noqa: F401  (the PEFT directory format, shared with merging)
     CONFIG_FILE,
+    LORA,
     WEIGHTS_FILE,
     import_peft,
     peft_config_dict,

@@ -1,5 +1,5 @@
 """LoRA on a whole model: :func:`adapt`, the PEFT export, and the adapter API (:data:`LORA`, an
-:class:`~rankwise.core.adapters.AdapterMethod` defined with the layer in :mod:`rankwise.core.lora`)."""
+:class:`~rankwise.core.adapters.AdapterMethod` defined with the PEFT format in :mod:`rankwise.core.peft_format`)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from rankwise.adapt.lora.config import LoraConfig
-from rankwise.core.lora import LORA, add_lora, base_module_names, get_state, set_state
-from rankwise.core.peft_format import import_peft, write_adapter_dir
+from rankwise.core.lora import add_lora, base_module_names, get_state, set_state
+from rankwise.core.peft_format import LORA, import_peft, write_adapter_dir
 from rankwise.core.registry import register
 from rankwise.core.select import Selector
 
