@@ -21,9 +21,7 @@ Each adapter method wraps the layers it adapts in a layer class of its own that 
   per-layer hooks, :meth:`AdapterLayer.export_adapter` (tensors + JSON record out) and
   :meth:`AdapterLayer.import_adapter` (install from them), plus what a training run needs from the
   family. Each adapter package binds its public names to its instance's methods.
-* :func:`deprecated_fields` / :func:`deprecated_kwargs`: old config fields and keyword names kept for
-  one release with a DeprecationWarning; :func:`default_loss`, the calibration loss of gradient-reading
-  methods.
+* :func:`deprecated_fields` / :func:`deprecated_kwargs` (renamed names, one release); :func:`default_loss`.
 
 Merging is all-or-nothing across layers: if one layer cannot merge (non-finite result, ...), the layers
 merged before it are unmerged again before the error propagates. Within a layer the merged weight is
@@ -561,9 +559,19 @@ def unload(model: nn.Module, cls: type[AdapterLayer], merge_first: bool = True) 
 # deprecated names (one release)
 # ------------------------------------------------------------------------------------------------
 
-def _warn_renamed(owner: str, old: str, new: str, stacklevel: int = 3) -> None:
+def _warn_renamed(owner: str, old: str, new: str, stacklevel: int = 4) -> None:
     warnings.warn(f"{owner}: {old!r} is deprecated, use {new!r} (the old name goes away in the next release)",
                   DeprecationWarning, stacklevel=stacklevel)
+
+
+def _rename(owner: str, kwargs: dict[str, Any], renamed: Mapping[str, str]) -> dict[str, Any]:
+    for old, new in renamed.items():
+        if old in kwargs:
+            if new in kwargs:
+                raise TypeError(f"{owner} got both {old!r} (deprecated) and {new!r}")
+            _warn_renamed(owner, old, new)
+            kwargs[new] = kwargs.pop(old)
+    return kwargs
 
 
 def deprecated_kwargs(**renamed: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -571,13 +579,7 @@ def deprecated_kwargs(**renamed: str) -> Callable[[Callable[..., Any]], Callable
     def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(fn)
         def inner(*args: Any, **kwargs: Any) -> Any:
-            for old, new in renamed.items():
-                if old in kwargs:
-                    if new in kwargs:
-                        raise TypeError(f"{fn.__name__}() got both {old!r} (deprecated) and {new!r}")
-                    _warn_renamed(f"{fn.__name__}()", old, new)
-                    kwargs[new] = kwargs.pop(old)
-            return fn(*args, **kwargs)
+            return fn(*args, **_rename(f"{fn.__name__}()", kwargs, renamed))
         return inner
     return wrap
 
@@ -590,18 +592,12 @@ def deprecated_fields(**renamed: str) -> Callable[[type], type]:
 
         @functools.wraps(init)
         def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-            for old, new in renamed.items():
-                if old in kwargs:
-                    if new in kwargs:
-                        raise TypeError(f"{cls.__name__}() got both {old!r} (deprecated) and {new!r}")
-                    _warn_renamed(cls.__name__, old, new)
-                    kwargs[new] = kwargs.pop(old)
-            init(self, *args, **kwargs)
+            init(self, *args, **_rename(cls.__name__, kwargs, renamed))
 
         cls.__init__ = __init__  # type: ignore[misc]
         for old, new in renamed.items():
             def getter(self: Any, _old: str = old, _new: str = new) -> Any:
-                _warn_renamed(cls.__name__, _old, _new)
+                _warn_renamed(cls.__name__, _old, _new, stacklevel=3)
                 return getattr(self, _new)
             setattr(cls, old, property(getter, doc=f"Deprecated alias of ``{new}``."))
         cls.deprecated_fields = dict(getattr(cls, "deprecated_fields", {}), **renamed)  # type: ignore[attr-defined]
@@ -681,6 +677,7 @@ class AdapterMethod:
         return adapted_layers(model, self.layer_cls)
 
     def adapter_names(self, model: nn.Module) -> list[str]:
+        """Names of the adapters in ``model``, in order of first appearance."""
         return adapter_names(model, self.layer_cls)
 
     def require_adapter(self, model: nn.Module, name: str) -> list[tuple[str, Any]]:
@@ -697,21 +694,26 @@ class AdapterMethod:
 
     # -- switching ------------------------------------------------------------------------------
     def set_active(self, model: nn.Module, names: str | Sequence[str]) -> None:
+        """Make ``names`` the active (trainable) adapter(s) of every layer; the others inactive (frozen)."""
         set_active(model, names, self.layer_cls, sync=lambda m, freeze_base: self.sync_trainable(m, freeze_base))
 
     def enable(self, model: nn.Module) -> None:
+        """Turn the adapters back on (after :meth:`disable`)."""
         enable_adapters(model, self.layer_cls)
 
     def disable(self, model: nn.Module) -> None:
+        """Make the model compute the base model's outputs (adapters kept). Refused while merged."""
         disable_adapters(model, self.layer_cls)
 
     def merge(self, model: nn.Module) -> nn.Module:
+        """Merge the active adapters into the base weights, all-or-nothing; returns the model."""
         if not self.layer_cls.mergeable:
             raise RankwiseError(self.no_merge)
         merge_all(model, self.layer_cls)
         return model
 
     def unmerge(self, model: nn.Module) -> nn.Module:
+        """Subtract the merged adapters from the base weights (exact up to float rounding)."""
         if not self.layer_cls.mergeable:
             raise RankwiseError(f"no {self.label} adapter is merged ({self.label} adapters cannot be merged)")
         unmerge_all(model, self.layer_cls)
@@ -724,6 +726,7 @@ class AdapterMethod:
                 replace_module(model, lname, layer.base_layer)
 
     def delete_adapter(self, model: nn.Module, name: str) -> None:
+        """Remove adapter ``name`` everywhere (layers left without adapters get their base layer back)."""
         delete_adapter(model, name, self.layer_cls, unwrap_empty=False, after=self.prune)
 
     @deprecated_kwargs(merge_first="merge")
