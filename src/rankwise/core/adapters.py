@@ -23,10 +23,8 @@ Each adapter method wraps the layers it adapts in a layer class of its own that 
   family. Each adapter package binds its public names to its instance's methods.
 * :func:`deprecated_fields` / :func:`deprecated_kwargs` (renamed names, one release); :func:`default_loss`.
 
-Merging is all-or-nothing across layers: if one layer cannot merge (non-finite result, ...), the layers
-merged before it are unmerged again before the error propagates. Within a layer the merged weight is
-``W0 + sum_k ΔW_k``, accumulated in float32 (float64 for a float64 weight) and rounded once to the
-weight's dtype; unmerging subtracts the same updates in reverse order (exact up to float rounding).
+Merging is all-or-nothing across layers (:func:`merge_all`); within a layer the updates are summed in
+float32 or wider and rounded once (:meth:`AdapterLayer._merge`).
 """
 
 from __future__ import annotations
@@ -34,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
-import math
 import re
 import warnings
 from dataclasses import dataclass, field as dc_field
@@ -648,9 +645,8 @@ class AdapterMethod:
     then it installs all layers inside one transaction (:meth:`AdapterLayer.import_adapter`), makes
     the adapter the active one and freezes the rest.
 
-    What a training run needs from the family is declared here too: :meth:`calibration_batches`
-    (batches ``adapt(..., calib=...)`` reads), :meth:`training_hook` (a per-step callback such as
-    DAF's re-allocation), ``default_lr`` and ``factor_pairs`` (the adapter is plain LoRA factor pairs).
+    What a training run needs from the family is declared here too (:meth:`calibration_batches`,
+    :meth:`training_hook`, ``default_lr``, ``factor_pairs``).
     """
 
     #: adapter learning rate a training run uses when none is given
@@ -734,6 +730,21 @@ class AdapterMethod:
         """Replace every layer of this family by its base layer; with ``merge`` (mergeable families only)
         the active adapters are merged first (``merge_first``: deprecated name)."""
         return unload(model, self.layer_cls, bool(merge) and self.layer_cls.mergeable)
+
+    def start_adapt(self, model: nn.Module, config: Any, config_cls: type, name: str | None = "default") -> Any:
+        """What every ``adapt`` checks first: ``config`` (None: ``config_cls()``) and ``model`` types, the
+        adapter ``name``, and that nothing is merged. Returns the config."""
+        config = config_cls() if config is None else config
+        if not isinstance(config, config_cls):
+            raise TypeError(f"adapt: config must be a {config_cls.__name__}, got {type(config).__name__}")
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"adapt: model must be an nn.Module, got {type(model).__name__}")
+        if name is not None:
+            validate_adapter_name(name)
+        merged = [n for n, layer in self.layers(model) if layer.merged_adapters]
+        if merged:
+            raise RankwiseError(f"adapters are merged in {_shown(merged)}; unmerge before adding an adapter")
+        return config
 
     # -- training-run declarations ----------------------------------------------------------------
     def calibration_batches(self, config: Any) -> int:
@@ -885,14 +896,3 @@ def default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
     if not isinstance(loss, torch.Tensor):
         raise TypeError("the model's output has no .loss; pass loss_fn=lambda model, batch: <scalar loss>")
     return loss
-
-
-def record_number(record: Mapping[str, Any], key: str, *, lo: float | None = None, hi: float | None = None,
-                  default: Any = None) -> float:
-    """A finite number from an artefact record (ValueError otherwise), optionally in ``[lo, hi)``."""
-    v = record.get(key, default)
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(float(v)):
-        raise ValueError(f"{key} must be a finite number, got {v!r}")
-    if (lo is not None and v < lo) or (hi is not None and v >= hi):
-        raise ValueError(f"{key} {v!r} is outside [{lo}, {hi})")
-    return float(v)

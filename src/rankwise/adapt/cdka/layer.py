@@ -8,8 +8,9 @@ import torch
 from torch import nn
 
 from rankwise.adapt.cdka.functional import kron_apply, kron_delta
-from rankwise.core.adapters import AdapterLayer, ArtifactContext, record_number, validate_adapter_name
+from rankwise.core.adapters import AdapterLayer, ArtifactContext, validate_adapter_name
 from rankwise.core.errors import RankwiseError
+from rankwise.core.validate import check_number
 
 
 # ------------------------------------------------------------------------------------------------
@@ -148,7 +149,7 @@ class CDKALinear(AdapterLayer):
 
     @classmethod
     def artifact_keys(cls, module: str, record: Mapping[str, Any], context: ArtifactContext) -> dict[str, str]:
-        record_number(record, "scaling")
+        check_number("scaling", record.get("scaling"))
         keys = ("cdka_A", "cdka_B") + (("cdka_A0", "cdka_B0") if record.get("offset") else ())
         return {k: f"{module}.{k}" for k in keys}
 

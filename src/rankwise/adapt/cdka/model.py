@@ -20,7 +20,7 @@ from rankwise.adapt.cdka.functional import (
     num_parameters,
 )
 from rankwise.adapt.cdka.layer import CDKALinear
-from rankwise.core.adapters import AdapterMethod, default_loss, validate_adapter_name
+from rankwise.core.adapters import AdapterMethod, default_loss
 from rankwise.core.errors import NumericalError, RankwiseError
 from rankwise.core.registry import register
 from rankwise.core.select import Selector
@@ -141,15 +141,7 @@ def adapt(model: nn.Module, config: CDKAConfig | None = None, target: Selector =
     (unfreeze a task head yourself). Everything is computed and checked before the model changes;
     on any error the model is unchanged. Returns the model.
     """
-    config = CDKAConfig() if config is None else config
-    if not isinstance(config, CDKAConfig):
-        raise TypeError(f"adapt: config must be a CDKAConfig, got {type(config).__name__}")
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"adapt: model must be an nn.Module, got {type(model).__name__}")
-    validate_adapter_name(name)
-    merged = [n for n, layer in cdka_layers(model) if layer.merged_adapters]
-    if merged:
-        raise RankwiseError(f"adapters are merged in {merged[:3]}; unmerge before adding an adapter")
+    config = CDKA.start_adapt(model, config, CDKAConfig, name)
     hits = _target_layers(model, config.target if target is None else target)
     for lname, mod in hits:
         if isinstance(mod, CDKALinear) and name in mod.cdka:

@@ -9,8 +9,9 @@ from torch import nn
 
 from rankwise.adapt.daf.config import ROLES
 from rankwise.adapt.daf.functional import unit_cost
-from rankwise.core.adapters import AdapterLayer, ArtifactContext, record_number, validate_adapter_name
+from rankwise.core.adapters import AdapterLayer, ArtifactContext, validate_adapter_name
 from rankwise.core.errors import RankwiseError
+from rankwise.core.validate import check_number
 
 
 # ------------------------------------------------------------------------------------------------
@@ -136,9 +137,9 @@ class DAFLinear(AdapterLayer):
     def artifact_keys(cls, module: str, record: Mapping[str, Any], context: ArtifactContext) -> dict[str, str]:
         if record.get("role") not in ROLES:
             raise ValueError(f"role {record.get('role')!r}")
-        record_number(record, "scaling")
+        check_number("scaling", record.get("scaling"))
         if record.get("score") is not None:
-            record_number(record, "score")
+            check_number("score", record.get("score"))
         return {} if record["role"] == "candidate" else {k: f"{module}.{k}" for k in ("daf_A", "daf_B")}
 
     @classmethod

@@ -14,8 +14,8 @@ from rankwise.adapt.daf.config import DAFConfig, LossFn, _pos_int, renamed_keys
 from rankwise.adapt.daf.controller import DAFController, DAFRound
 from rankwise.adapt.daf.functional import allocate, resolve_budget, unit_cost
 from rankwise.adapt.daf.layer import DAFLinear
-from rankwise.core.adapters import AdapterMethod, deprecated_kwargs, validate_adapter_name
-from rankwise.core.errors import ArtifactError, NumericalError, RankwiseError, SelectionError
+from rankwise.core.adapters import AdapterMethod, deprecated_kwargs
+from rankwise.core.errors import ArtifactError, NumericalError, SelectionError
 from rankwise.core.registry import register
 from rankwise.core.select import Selector
 from rankwise.core.surgery import replace_module
@@ -106,15 +106,7 @@ def adapt(model: nn.Module, config: DAFConfig | None = None, target: Selector = 
     below the cheapest unit (the message gives its cost), no batches and no selection, an empty batch
     iterable; SelectionError when ``target`` matches no Linear layer.
     """
-    config = DAFConfig() if config is None else config
-    if not isinstance(config, DAFConfig):
-        raise TypeError(f"adapt: config must be a DAFConfig, got {type(config).__name__}")
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"adapt: model must be an nn.Module, got {type(model).__name__}")
-    validate_adapter_name(name)
-    merged = [n for n, layer in daf_layers(model) if layer.merged_adapters]
-    if merged:
-        raise RankwiseError(f"adapters are merged in {merged[:3]}; unmerge before adding an adapter")
+    config = DAF.start_adapt(model, config, DAFConfig, name)
     hits = _target_layers(model, config.target if target is None else target)
     for lname, mod in hits:
         base = _base_of(mod)

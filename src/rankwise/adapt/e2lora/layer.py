@@ -8,8 +8,9 @@ import torch
 from torch import nn
 
 from rankwise.adapt.e2lora.plan import E2LoRAPlan
-from rankwise.core.adapters import AdapterLayer, ArtifactContext, record_number, validate_adapter_name
+from rankwise.core.adapters import AdapterLayer, ArtifactContext, validate_adapter_name
 from rankwise.core.errors import RankwiseError
+from rankwise.core.validate import check_number
 
 
 # ------------------------------------------------------------------------------------------------
@@ -115,8 +116,8 @@ class E2LoRALinear(AdapterLayer):
         if not (isinstance(r, int) and not isinstance(r, bool) and r >= 1) \
                 or not isinstance(record.get("A"), str) or not isinstance(record.get("B"), str):
             raise ValueError("bad record")
-        record_number(record, "scaling")
-        record_number(record, "dropout", lo=0.0, hi=1.0, default=0.0)
+        check_number("scaling", record.get("scaling"))
+        check_number("dropout", record.get("dropout", 0.0), 0.0, 1.0, high_open=True)
         return {"A": f"factor.{record['A']}", "B": f"factor.{record['B']}"}
 
     @classmethod

@@ -15,8 +15,8 @@ from rankwise.adapt.e2lora.config import DEFAULT_DEPTH_REGEX, E2LoRAConfig, Loss
 from rankwise.adapt.e2lora.functional import adaptive_thresholds, allocate_ranks, partition, similarity_matrix
 from rankwise.adapt.e2lora.layer import E2LoRALinear, _Factor
 from rankwise.adapt.e2lora.plan import E2LoRAPlan, TypePlan
-from rankwise.core.adapters import AdapterMethod, default_loss, validate_adapter_name
-from rankwise.core.errors import NumericalError, RankwiseError
+from rankwise.core.adapters import AdapterMethod, default_loss
+from rankwise.core.errors import NumericalError
 from rankwise.core.registry import register
 from rankwise.core.select import Selector
 from rankwise.core.surgery import replace_module
@@ -383,15 +383,9 @@ def apply_e2lora(model: nn.Module, plan: E2LoRAPlan, config: E2LoRAConfig | None
     The new adapter becomes the active (and only trainable) one; every other parameter is frozen
     (unfreeze a task head yourself). On any error the model is unchanged.
     """
-    config = E2LoRAConfig() if config is None else config
     if not isinstance(plan, E2LoRAPlan):
         raise TypeError(f"plan must be an E2LoRAPlan, got {type(plan).__name__}")
-    if not isinstance(config, E2LoRAConfig):
-        raise TypeError(f"config must be an E2LoRAConfig, got {type(config).__name__}")
-    validate_adapter_name(name)
-    merged = [n for n, layer in e2lora_layers(model) if layer.merged_adapters]
-    if merged:
-        raise RankwiseError(f"adapters are merged in {merged[:3]}; unmerge before adding an adapter")
+    config = E2LORA.start_adapt(model, config, E2LoRAConfig, name)
     mods = _check_plan_fits(model, plan, name)
     gen = torch.Generator().manual_seed(config.seed) if config.seed is not None else None
     built = _build_factors(plan, mods, gen)
@@ -426,15 +420,7 @@ def adapt(model: nn.Module, config: E2LoRAConfig | None = None, target: Selector
     initialised task head in the loss, as for normal fine-tuning. Everything is computed and checked before the
     model changes; on any error the model is unchanged. Returns the model.
     """
-    config = E2LoRAConfig() if config is None else config
-    if not isinstance(config, E2LoRAConfig):
-        raise TypeError(f"adapt: config must be an E2LoRAConfig, got {type(config).__name__}")
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"adapt: model must be an nn.Module, got {type(model).__name__}")
-    validate_adapter_name(name)
-    merged = [n for n, layer in e2lora_layers(model) if layer.merged_adapters]
-    if merged:
-        raise RankwiseError(f"adapters are merged in {merged[:3]}; unmerge before adding an adapter")
+    config = E2LORA.start_adapt(model, config, E2LoRAConfig, name)
     if plan is None:
         hits = _target_layers(model, config.target if target is None else target)
         _types_of(hits, config)  # shapes and ranks checked before any gradient is computed

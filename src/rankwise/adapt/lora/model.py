@@ -14,6 +14,7 @@ from rankwise.core.peft_format import LORA, import_peft, write_adapter_dir
 from rankwise.core.registry import register
 from rankwise.core.select import Selector
 
+
 merge = LORA.merge
 unmerge = LORA.unmerge
 save_adapter = LORA.save_adapter
@@ -29,11 +30,7 @@ def adapt(model: nn.Module, config: LoraConfig | None = None, target: Selector =
     ``min(in_features, out_features)`` of a layer raise ``ValueError`` naming the layer; a selector
     that matches no Linear layer raises ``SelectionError``. On any error the model is unchanged.
     """
-    config = LoraConfig() if config is None else config
-    if not isinstance(config, LoraConfig):
-        raise TypeError(f"adapt: config must be a LoraConfig, got {type(config).__name__}")
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"adapt: model must be an nn.Module, got {type(model).__name__}")
+    config = LORA.start_adapt(model, config, LoraConfig, None)  # add_lora checks the name and merges
     gen = torch.Generator().manual_seed(config.seed) if config.seed is not None else None
     add_lora(model, config.target if target is None else target, name, rank=config.rank, alpha=config.alpha,
              use_rslora=config.use_rslora, dropout=config.dropout, init=config.init, generator=gen)

@@ -15,7 +15,7 @@ from torch import nn
 from rankwise.adapt.lora_mixer.config import ExpertSource, LoRAMixerConfig, STAGES, _QKV
 from rankwise.adapt.lora_mixer.functional import rsl_terms
 from rankwise.adapt.lora_mixer.layer import LoRAMixerLinear, _Mixer
-from rankwise.core.adapters import AdapterMethod, validate_adapter_name
+from rankwise.core.adapters import AdapterMethod
 from rankwise.core.errors import NumericalError, RankwiseError
 from rankwise.core.lora import AdapterState
 from rankwise.core.peft_format import import_peft
@@ -114,12 +114,7 @@ def adapt(model: nn.Module, config: LoRAMixerConfig | None = None, target: Selec
     pulls them towards the loaded weights). The adapter becomes the active one; the base model is
     frozen. On any error the model is unchanged.
     """
-    config = LoRAMixerConfig() if config is None else config
-    if not isinstance(config, LoRAMixerConfig):
-        raise TypeError(f"adapt: config must be a LoRAMixerConfig, got {type(config).__name__}")
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"adapt: model must be an nn.Module, got {type(model).__name__}")
-    validate_adapter_name(name)
+    config = LORA_MIXER.start_adapt(model, config, LoRAMixerConfig, name)
     hits = _target_layers(model, config.target if target is None else target)
     for lname, mod in hits:
         b = _base(mod)

@@ -11,7 +11,7 @@ from torch import nn
 from rankwise.adapt.mtlora.config import BLOCK_PAIRS, MtLoRAConfig, _group_size
 from rankwise.adapt.mtlora.functional import balance_loss, spectral_due, spectral_penalty, spectral_weights
 from rankwise.adapt.mtlora.layer import MtLoRALinear, _Adapter, _base_linear, _install, _linear_at
-from rankwise.core.adapters import AdapterMethod, validate_adapter_name
+from rankwise.core.adapters import AdapterMethod
 from rankwise.core.errors import NumericalError, RankwiseError, SelectionError
 from rankwise.core.registry import register
 from rankwise.core.select import Selector, matcher, select
@@ -134,12 +134,7 @@ def adapt(model: nn.Module, config: MtLoRAConfig | None = None, target: Selector
     above min(d_in, d_out) or a group size that does not divide d_out (naming the layer),
     ``SelectionError`` when nothing fits; on any error the model is unchanged.
     """
-    config = MtLoRAConfig() if config is None else config
-    if not isinstance(config, MtLoRAConfig):
-        raise TypeError(f"adapt: config must be an MtLoRAConfig, got {type(config).__name__}")
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"adapt: model must be an nn.Module, got {type(model).__name__}")
-    validate_adapter_name(name)
+    config = MTLORA.start_adapt(model, config, MtLoRAConfig, name)
     places = _plan(model, config, target)
     specs = []
     for tap, out in places:

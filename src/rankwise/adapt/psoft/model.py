@@ -12,8 +12,7 @@ from torch import nn
 from rankwise.adapt.psoft.config import PSOFTConfig, _UNSUPPORTED
 from rankwise.adapt.psoft.functional import principal_factors
 from rankwise.adapt.psoft.layer import PSOFTLinear, _is_conv1d
-from rankwise.core.adapters import AdapterMethod, validate_adapter_name
-from rankwise.core.errors import RankwiseError
+from rankwise.core.adapters import AdapterMethod
 from rankwise.core.registry import register
 from rankwise.core.select import Selector
 from rankwise.core.surgery import replace_module
@@ -72,15 +71,7 @@ def adapt(model: nn.Module, config: PSOFTConfig | None = None, target: Selector 
     layer raises ValueError naming it; ``r = 1`` warns (the skew part is empty, only the vectors
     train). Everything is computed before the model changes; on any error it is unchanged.
     """
-    config = PSOFTConfig() if config is None else config
-    if not isinstance(config, PSOFTConfig):
-        raise TypeError(f"adapt: config must be a PSOFTConfig, got {type(config).__name__}")
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"adapt: model must be an nn.Module, got {type(model).__name__}")
-    validate_adapter_name(name)
-    merged = [n for n, layer in psoft_layers(model) if layer.merged_adapters]
-    if merged:
-        raise RankwiseError(f"adapters are merged in {merged[:3]}; unmerge before adding an adapter")
+    config = PSOFT.start_adapt(model, config, PSOFTConfig, name)
     hits = _target_layers(model, config.target if target is None else target)
     for lname, mod in hits:
         d_in, d_out = _in_out(mod)
