@@ -28,7 +28,7 @@ The safetensors header metadata (a ``str -> str`` map) holds two keys:
 
 The metadata lives in the header rather than in a sidecar JSON so that one file is a complete,
 self-describing artefact that cannot drift from its tensors. Directory artefacts (adapters) may add
-human-readable JSON files next to it (see :mod:`rankwise.adapt.lora`).
+human-readable JSON files next to it (see :mod:`rankwise.core.peft_format`).
 
 Base-model fingerprint
 ----------------------

@@ -87,7 +87,6 @@ from rankwise.adapt.lora_mixer.model import (  # noqa: F401
     set_stage,
     unload,
     unmerge,
-    validate_adapter_name,
 )
 
 __all__ = [

@@ -95,7 +95,6 @@ from rankwise.adapt.mtlora.model import (  # noqa: F401
     spectrum_report,
     unload,
     unmerge,
-    validate_adapter_name,
 )
 
 __all__ = [
