@@ -251,7 +251,7 @@ def test_neumann_warns_when_q_is_large():
         y2 = contract.forward(model, "mlp")
         assert psoft.check_neumann(model) == []
     assert torch.equal(y, y2)
-    fresh = psoft.adapt(contract.tiny_model("mlp"), psoft.PSOFTConfig(r=6), target=nn.Linear)
+    fresh = psoft.adapt(contract.tiny_model("mlp"), psoft.PSOFTConfig(rank=6), target=nn.Linear)
     with torch.no_grad():
         fresh[0].psoft["default"].q.copy_(_random_q(6, 1.5))
     with pytest.warns(UserWarning, match="spectral norm of Q is 1.500"):
@@ -262,7 +262,7 @@ def test_debug_switch_checks_in_the_forward_pass(monkeypatch):
     from rankwise.adapt.psoft import layer as psoft_layer
 
     monkeypatch.setattr(psoft_layer, "SYNC_CHECKS", True)
-    model = psoft.adapt(contract.tiny_model("mlp"), psoft.PSOFTConfig(r=6), target=nn.Linear)
+    model = psoft.adapt(contract.tiny_model("mlp"), psoft.PSOFTConfig(rank=6), target=nn.Linear)
     with torch.no_grad():
         model[0].psoft["default"].q.copy_(_random_q(6, 1.5))
     with pytest.warns(UserWarning, match="spectral norm of Q is 1.500"):
@@ -281,7 +281,7 @@ def _no_host_reads(monkeypatch: pytest.MonkeyPatch) -> None:
                                  dict(singular_values_on="input", neumann_terms=7)])
 @pytest.mark.parametrize("q_norm", [0.3, 1.5])
 def test_forward_and_backward_never_read_tensors_back_to_the_host(monkeypatch, cfg, q_norm):
-    model = psoft.adapt(contract.tiny_model("mlp"), psoft.PSOFTConfig(r=6, **cfg), target=nn.Linear)
+    model = psoft.adapt(contract.tiny_model("mlp"), psoft.PSOFTConfig(rank=6, **cfg), target=nn.Linear)
     _set_core(model, 1, q_norm)
     x = contract.inputs("mlp")
     model.train()
