@@ -29,14 +29,14 @@ pytest.importorskip("flwr")
 pytest.importorskip("ray")
 
 from rankwise.core import io  # noqa: E402
-from rankwise.federated import FSLoRAConfig, RunSettings  # noqa: E402
+from rankwise.federated import FederatedConfig, RunSettings  # noqa: E402
 from rankwise.federated.runner import run_simulation_settings  # noqa: E402
 
 logging.getLogger("flwr").setLevel(logging.WARNING)
 
 
 def _settings(num_clients: int, **kw) -> RunSettings:
-    cfg = FSLoRAConfig(rank=4, alpha=4.0, client_ranks={i: [1, 2, 4][i % 3] for i in range(num_clients)},
+    cfg = FederatedConfig(rank=4, alpha=4.0, client_ranks={i: [1, 2, 4][i % 3] for i in range(num_clients)},
                        clients_per_round=min(3, num_clients), local_steps=2, batch_size=8, client_lr=1e-2)
     return RunSettings(method="fslora", task="synthetic", task_kwargs={"per_client": 24, "n_test": 64, "d_in": 8,
                                                                        "hidden": 8},
