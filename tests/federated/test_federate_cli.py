@@ -90,7 +90,15 @@ def test_run_settings_round_trip_keeps_the_ub_smoe_config() -> None:
     from rankwise.federated.runner import RunSettings
     from rankwise.federated.ub_smoe import UBSMoEConfig
 
-    cfg = UBSMoEConfig(rank=4, client_ranks={0: 2, 1: 4})
+    cfg = UBSMoEConfig(rank=4, client_ranks={0: 2, 1: 4}, clients_per_round=2)
     s = RunSettings(method="ub-smoe", task="rankwise.federated.ub_smoe:SyntheticMoETask", num_clients=2, config=cfg)
     back = RunSettings.from_run_config(s.to_run_config())
     assert type(back.config) is UBSMoEConfig and back.config == cfg
+
+
+def test_clients_per_round_above_the_clients_is_an_error() -> None:
+    from rankwise.federated.config import FederatedConfig
+    from rankwise.federated.runner import RunSettings
+
+    with pytest.raises(ValueError, match="clients_per_round must be at most num_clients=4, got 5"):
+        RunSettings(num_clients=4, config=FederatedConfig(clients_per_round=5))

@@ -75,8 +75,10 @@ def test_no_import_cycle_in_the_family():
 def test_a_fresh_process_finds_every_method():
     """What a Ray worker or a SuperNode's ClientApp does: resolve a method without importing its module first."""
     code = ("import json, sys\n"
+            "from rankwise.federated.config import FederatedConfig\n"
             "from rankwise.federated.runner import RunSettings, client_fn_from_settings, methods\n"
-            "s = RunSettings(method='ub-smoe', task='synthetic-moe', num_clients=2)\n"
+            "s = RunSettings(method='ub-smoe', task='synthetic-moe', num_clients=2,"
+            " config=FederatedConfig(clients_per_round=2))\n"
             "fn = client_fn_from_settings(s)\n"
             "print(json.dumps({'methods': list(methods()), 'client': fn.__qualname__,"
             " 'loaded': 'rankwise.federated.ub_smoe' in sys.modules}))\n")

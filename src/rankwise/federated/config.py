@@ -5,8 +5,8 @@ Defaults follow the FSLoRA paper's small-model setting as adapted in the rankwis
 r = 16, alpha = 16, H = 8 local AdamW steps at lr 5e-4, batch 16, 5 clients per round, plain
 averaging at the server). The server-side defences (see :mod:`rankwise.federated.defences`) are on
 by default: updates more than 10x the round's median size are rejected, example counts are capped
-at what the client was assigned, and a round whose global model is not finite or whose test loss
-more than doubles is refused.
+at what the client was assigned, and a round whose global model is not finite, whose test loss
+more than doubles or whose test accuracy falls by more than 0.25 is refused.
 
 ``FSLoRAConfig`` is the former name of :class:`FederatedConfig` (deprecated alias, one release).
 """
@@ -60,9 +60,12 @@ class FederatedConfig:
             ``num_examples`` is capped at this times the round's lower median claim; None: no cap.
             Where the server knows the assigned counts (the task is local) the cap is the assigned count.
         health_check: refuse a round whose global model has a non-finite tensor or test loss, or whose
-            test loss exceeds ``max_loss_ratio`` times the last accepted loss: the state is rolled back
+            test loss exceeds ``max_loss_ratio`` times the last accepted loss, or whose test accuracy falls
+            more than ``max_accuracy_drop`` below the last accepted one: the state is rolled back
             and no checkpoint is written from it.
-        max_loss_ratio: the collapse bound of the health check (> 1).
+        max_loss_ratio: the loss bound of the health check (> 1).
+        max_accuracy_drop: the accuracy bound of the health check: refuse a round whose test accuracy
+            falls more than this (absolute, in [0, 1]) below the last accepted round's; None: no bound.
     """
 
     rank: int = 16
@@ -89,6 +92,7 @@ class FederatedConfig:
     max_examples_ratio: float | None = 10.0
     health_check: bool = True
     max_loss_ratio: float = 2.0
+    max_accuracy_drop: float | None = 0.25
 
     def __post_init__(self) -> None:
         name = type(self).__name__
@@ -133,6 +137,7 @@ class FederatedConfig:
         if not isinstance(self.health_check, bool):
             raise ValueError(f"{name}.health_check must be True or False, got {self.health_check!r}")
         check_number(q("max_loss_ratio"), self.max_loss_ratio, 1.0, low_open=True)
+        check_unit(q("max_accuracy_drop"), self.max_accuracy_drop, allow_none=True)
 
     def rank_of(self, client: int) -> int:
         """k_i of ``client``: ``client_ranks[client]``, else ``default_rank``, else ValueError."""

@@ -23,7 +23,7 @@ loss went NaN and the run went on checkpointing the broken model. The shared ser
    scores (:func:`krum_select`, Flower's ``Krum`` scoring) and averages those with the method's mean.
 5. **Health check** (:func:`health_problem`): after aggregation, every global tensor must be finite
    and, where the server evaluates, the test loss finite and at most ``max_loss_ratio`` times the
-   last accepted round's. A failing round is refused: the global state (and server-optimizer state)
+   last accepted round's, and the test accuracy at most ``max_accuracy_drop`` below it. A failing round is refused: the global state (and server-optimizer state)
    goes back to the previous round's, the refusal is in the history, and no checkpoint is written
    from it; the next round continues from the healthy state.
 """
@@ -139,9 +139,11 @@ def krum_select(vectors: Sequence[torch.Tensor], byzantine: int) -> list[int]:
 
 
 def health_problem(tensors: Mapping[str, torch.Tensor], loss: float | None, reference_loss: float | None,
-                   max_loss_ratio: float) -> str | None:
-    """Why the global model is unhealthy, or None: a non-finite tensor, a non-finite test loss, or a
-    test loss above ``max_loss_ratio`` times the last accepted one (``loss`` None: not evaluated)."""
+                   max_loss_ratio: float, accuracy: float | None = None, reference_accuracy: float | None = None,
+                   max_accuracy_drop: float | None = None) -> str | None:
+    """Why the global model is unhealthy, or None: a non-finite tensor, a non-finite test loss, a test
+    loss above ``max_loss_ratio`` times the last accepted one, or a test accuracy more than
+    ``max_accuracy_drop`` below the last accepted one (``loss`` / ``accuracy`` None: not evaluated)."""
     for n, t in tensors.items():
         if not bool(torch.isfinite(t).all()):
             return f"global tensor {n!r} holds NaN or inf"
@@ -152,4 +154,8 @@ def health_problem(tensors: Mapping[str, torch.Tensor], loss: float | None, refe
     if reference_loss is not None and math.isfinite(reference_loss) and loss > max_loss_ratio * reference_loss:
         return (f"test loss {loss:.4g} exceeds {max_loss_ratio:g} x the last accepted round's {reference_loss:.4g} "
                 f"(collapse bound)")
+    if (max_accuracy_drop is not None and accuracy is not None and reference_accuracy is not None
+            and accuracy < reference_accuracy - max_accuracy_drop):
+        return (f"test accuracy {accuracy:.4g} fell more than {max_accuracy_drop:g} below the last accepted round's "
+                f"{reference_accuracy:.4g} (collapse bound)")
     return None

@@ -90,10 +90,16 @@ def _load() -> None:
 
 
 def names() -> tuple[str, ...]:
-    """The registered method names (built in: fslora, fedavg, hetlora, flexlora, ub-smoe, smoe-naive,
-    smoe-llb, a3smoe, florist)."""
+    """The registered method names, in the order of :data:`PROVIDERS` whatever was imported first (built
+    in: fslora, fedavg, hetlora, flexlora, ub-smoe, smoe-naive, smoe-llb, a3smoe, florist)."""
     _load()
-    return tuple(_METHODS)
+    order = {name: i for i, name in enumerate(_METHODS)}
+
+    def provider(name: str) -> int:
+        module = getattr(_METHODS[name].logic, "__module__", "")
+        return PROVIDERS.index(module) if module in PROVIDERS else len(PROVIDERS)
+
+    return tuple(sorted(_METHODS, key=lambda n: (provider(n), order[n])))
 
 
 def get(name: str) -> FederatedMethod:

@@ -17,6 +17,9 @@ What the shared part does, every round ``t`` (absolute: a resumed run continues 
   malformed reply is logged and left out (or raises with ``on_invalid="raise"``), a client that
   raised or timed out is a Flower *failure* and is left out too; a round with no valid reply leaves
   the global state unchanged;
+* applies the server-side defences of :mod:`rankwise.federated.defences` (example-count caps,
+  update-size bounds, robust aggregation, the health check that refuses a poisoned round);
+* aggregates the accepted replies in partition order (Flower hands them over in an arbitrary order);
 * records per-round metrics (clients ok / failed / rejected, bytes up and down per client, mean
   client loss, and the server-side evaluation's loss and accuracy) in :attr:`history`;
 * writes a checkpoint (safetensors, atomic) after every round: global tensors, server-optimizer
@@ -325,6 +328,9 @@ class LoRAStrategyLogic:
         rnd = server_round + self._offset
         sent = {pid: v for (r, pid), v in self._sent.items() if r == rnd}
         updates, rejected, up_bytes = self._accept(rnd, sent, results)
+        # Flower hands the replies over in the iteration order of a set of futures (memory addresses):
+        # aggregate in partition order so that the float sums do not depend on it
+        updates.sort(key=lambda u: u.pid)
         defence = self._defend(rnd, sent, updates, rejected)
         updates = [u for u in updates if u.pid not in set(rejected)]
         kept = self._select(rnd, updates, defence)
@@ -461,8 +467,11 @@ class LoRAStrategyLogic:
         if self.evaluate_fn is not None and all(bool(torch.isfinite(t).all()) for t in self.tensors.values()):
             out = self.evaluate_fn(self._adapter_at(rnd), self.global_head)
             result = None if out is None else (float(out[0]), dict(out[1]))
-        problem = health_problem(self.tensors, None if result is None else result[0], self._reference_loss(rnd),
-                                 self.config.max_loss_ratio)
+        ref = self._reference(rnd)
+        acc = None if result is None else result[1].get("accuracy")
+        problem = health_problem(self.tensors, None if result is None else result[0], ref.get("loss"),
+                                 self.config.max_loss_ratio, None if acc is None else float(acc), ref.get("accuracy"),
+                                 self.config.max_accuracy_drop)
         if problem is None:
             self._evaluated = (rnd, result)
             return
@@ -482,13 +491,13 @@ class LoRAStrategyLogic:
         state.config["rounds"] = rnd
         return state
 
-    def _reference_loss(self, rnd: int) -> float | None:
-        """The test loss of the last accepted round before ``rnd`` (None if none was evaluated)."""
+    def _reference(self, rnd: int) -> dict[str, float]:
+        """The test loss and accuracy of the last accepted, evaluated round before ``rnd`` (empty if none)."""
         for h in reversed(self.history):
             if h["round"] < rnd and "refused" not in h and isinstance(h.get("loss"), (int, float)) \
                     and math.isfinite(h["loss"]):
-                return float(h["loss"])
-        return None
+                return {k: float(h[k]) for k in ("loss", "accuracy") if isinstance(h.get(k), (int, float))}
+        return {}
 
     # -- robust aggregation hooks ---------------------------------------------------------------
     def contributions(self, rnd: int, updates: list[ClientUpdate]) -> list[dict[str, tuple[torch.Tensor, torch.Tensor | None]]]:

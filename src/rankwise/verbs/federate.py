@@ -7,6 +7,7 @@
                       [--backend flower|inprocess] [--round-timeout S]
                       [--aggregation mean|median|trimmed|krum] [--max-update-norm-ratio 10|off]
                       [--max-examples-ratio 10|off] [--no-health-check] [--max-loss-ratio 2]
+                      [--max-accuracy-drop 0.25|off]
 
 Prints one line per round (test accuracy and loss of the global adapter, mean client loss, bytes sent
 per client); with ``--out`` the server state is checkpointed there every round (``--resume``
@@ -35,7 +36,7 @@ OPTIONS = {"rank": "--rank", "alpha": "--alpha", "client_ranks": "--client-ranks
            "weighting": "--weighting", "seed": "--seed", "aggregator": "--aggregation",
            "trim_fraction": "--trim-fraction", "krum_byzantine": "--krum-byzantine",
            "max_update_norm_ratio": "--max-update-norm-ratio", "max_examples_ratio": "--max-examples-ratio",
-           "max_loss_ratio": "--max-loss-ratio"}
+           "max_loss_ratio": "--max-loss-ratio", "max_accuracy_drop": "--max-accuracy-drop"}
 
 
 def _bad(option: str, allowed: str, got: Any) -> None:
@@ -57,13 +58,13 @@ def _as_options() -> Iterator[None]:
         raise
 
 
-def _ratio(option: str, text: str) -> float | None:
+def _ratio(option: str, text: str, allowed: str = "a number >= 1 or off") -> float | None:
     if text.strip().lower() in ("off", "none"):
         return None
     try:
         return float(text)
     except ValueError:
-        _bad(option, "a number >= 1 or off", text)
+        _bad(option, allowed, text)
         raise  # unreachable
 
 
@@ -127,8 +128,12 @@ def register(app: typer.Typer) -> None:
                                                "know the client's assigned count (off: no cap)."),
         health_check: bool = typer.Option(True, "--health-check/--no-health-check", help="Refuse (roll back, do "
                                           "not checkpoint) a round whose global model is not finite or whose "
-                                          "test loss exceeds --max-loss-ratio times the last accepted one."),
-        max_loss_ratio: float = typer.Option(2.0, "--max-loss-ratio", help="Collapse bound of the health check."),
+                                          "test loss exceeds --max-loss-ratio times the last accepted one or "
+                                          "whose accuracy drops by more than --max-accuracy-drop."),
+        max_loss_ratio: float = typer.Option(2.0, "--max-loss-ratio", help="Loss bound of the health check."),
+        max_accuracy_drop: str = typer.Option("0.25", "--max-accuracy-drop", help="Accuracy bound of the health "
+                                              "check: refuse a round whose test accuracy falls more than this "
+                                              "below the last accepted round's (off: no bound)."),
     ) -> None:
         """Federated LoRA fine-tuning with heterogeneous client ranks in Flower's simulation engine."""
         from rankwise.verbs import common
@@ -165,7 +170,8 @@ def register(app: typer.Typer) -> None:
                 trim_fraction=trim_fraction, krum_byzantine=krum_byzantine,
                 max_update_norm_ratio=_ratio("--max-update-norm-ratio", max_update_norm_ratio),
                 max_examples_ratio=_ratio("--max-examples-ratio", max_examples_ratio), health_check=health_check,
-                max_loss_ratio=max_loss_ratio)
+                max_loss_ratio=max_loss_ratio, max_accuracy_drop=_ratio("--max-accuracy-drop", max_accuracy_drop,
+                                                                        "a number in [0, 1] or off"))
         task_kwargs: dict[str, Any] = {"seed": seed, "dirichlet_alpha": dirichlet}
         ckpt = None
         if out is not None:
