@@ -55,7 +55,7 @@ from torch import nn
 
 from rankwise.core.errors import SelectionError
 from rankwise.core.registry import register
-from rankwise.federated.baselines import product_contributions, truncated_factors
+from rankwise.federated.baselines import HetLoRALogic, product_contributions
 from rankwise.federated.client import _ClientImpl, make_client_fn, task_loss, train_steps
 from rankwise.federated.common import finite_number
 from rankwise.federated.config import FederatedConfig
@@ -401,9 +401,7 @@ class FLoRISTLogic(LoRAStrategyLogic):
         self.energy = float(energy)
         self.kept_ranks: dict[str, int] = {}
 
-    def client_payload(self, rnd: int, pid: int) -> tuple[list[np.ndarray], list, dict[str, float]]:
-        k = self.config.rank_of(pid)
-        return self.factor_payload(lambda m, A, B: truncated_factors(A, B, k))
+    client_payload = HetLoRALogic.client_payload  # the first k_i components, as HetLoRA
 
     def aggregate(self, rnd: int, updates: list[ClientUpdate]) -> None:
         w = self.weights(updates)
