@@ -257,3 +257,33 @@ def test_config_validation():
                       (dict(max_accuracy_drop=1.5), "max_accuracy_drop")]:
         with pytest.raises(ValueError, match=f"FederatedConfig.{match}"):
             cfg(**kw)
+
+
+def _nan_at(strategy, rnd: int):
+    """Make the server's evaluation report a NaN loss at round ``rnd`` (a round the health check must refuse)."""
+    full = strategy.evaluate_fn
+    strategy.evaluate_fn = lambda ad, head: (float("nan"), {}) if ad.config["rounds"] == rnd else full(ad, head)
+    return strategy
+
+
+def test_refused_round_rolls_back_the_server_optimizer(task, tmp_path):
+    """With a server AdamW the refused step's moments go too: state and optimizer are round 1's exactly.
+    (Adam bounds each step, so a 1e30 reply does not wreck the model at once, but it would leave a 1e57
+    second moment that freezes learning: the size bound, on by default, keeps it out.)"""
+    kw = dict(server_optimizer="adam", server_lr=3e-3)
+    ck = tmp_path / "ck"
+    first = build_strategy("fslora", cfg(**kw), task, checkpoint_dir=ck)
+    run_federated(first, make_client_fn(task), 4, 1)
+    healthy, _ = io.load_tensors(ck / "checkpoint.safetensors")
+    assert any(k.startswith("opt/") for k in healthy)
+    second = _nan_at(build_strategy("fslora", cfg(**kw), task, checkpoint_dir=ck, resume=ck), 2)
+    run_federated(second, make_client_fn(task), 4, 2)
+    assert "test loss is nan" in second.history[-1]["refused"]
+    after, _ = io.load_tensors(second.save_checkpoint(tmp_path / "after.safetensors"))
+    assert healthy.keys() == after.keys()
+    for k in healthy:
+        assert torch.equal(healthy[k], after[k]), k
+    fresh = _nan_at(build_strategy("fslora", cfg(**kw), task), 1)  # refused before the optimizer ever stepped
+    run_federated(fresh, make_client_fn(task), 4, 1)
+    assert "refused" in fresh.history[1] and fresh._opt is None
+    assert torch.equal(vec(fresh), vec(build_strategy("fslora", cfg(**kw), task)))

@@ -482,6 +482,8 @@ class LoRAStrategyLogic:
             self.tensors[n].copy_(t)
         if opt is not None and self._opt is not None:
             self._opt.load_state_dict(opt)
+        elif self._opt is not None:  # the optimizer was created by the refused step: start it afresh
+            self._opt, self._params = None, {}
         self._evaluated = None
         self._refused_round = rnd
         defence["refused"] = problem

@@ -196,6 +196,10 @@ def register(app: typer.Typer) -> None:
                 console.print(f"round 0: accuracy {row.get('accuracy', float('nan')):.4f}  "
                               f"loss {row.get('loss', float('nan')):.4f}", markup=False)
                 return
+            if "refused" in row:
+                console.print(f"round {row['round']}: refused by the health check ({row['refused']}); the global "
+                              "model stays at the previous round's", markup=False, soft_wrap=True)
+                return
             console.print(f"round {row['round']}: accuracy {row.get('accuracy', float('nan')):.4f}  "
                           f"loss {row.get('loss', float('nan')):.4f}  client loss {row['train_loss']:.4f}  "
                           f"clients ok/failed/rejected {row['clients_ok']}/{row['clients_failed']}/"
