@@ -58,16 +58,12 @@ _LAZY = {
 
 
 def __getattr__(name: str) -> Any:
+    import importlib
+
     if name == "FSLoRAConfig":  # deprecated alias (warns)
-        from rankwise.federated import config
-
-        return config.FSLoRAConfig
+        return importlib.import_module("rankwise.federated.config").FSLoRAConfig
     if name == "make_fslora_client_app":
-        from rankwise.federated.runner import make_client_app
-
-        return make_client_app
+        return importlib.import_module("rankwise.federated.runner").make_client_app
     if name in _LAZY:
-        import importlib
-
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'rankwise.federated' has no attribute {name!r}")

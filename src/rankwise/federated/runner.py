@@ -30,7 +30,7 @@ import torch
 
 from rankwise.core.lora import AdapterState, add_lora, get_state, set_state
 from rankwise.federated.client import make_client_fn
-from rankwise.federated import registry
+import rankwise.federated.registry as registry
 from rankwise.federated.common import derive_seed
 from rankwise.federated.config import FederatedConfig
 from rankwise.federated.strategy import CHECKPOINT

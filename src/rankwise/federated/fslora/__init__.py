@@ -134,7 +134,7 @@ def __getattr__(name: str) -> Any:
     if name == "FSLoRAStrategy":
         return flower_class(FSLoRALogic, "FSLoRAStrategy")
     if name == "FSLoRAConfig":  # deprecated alias of FederatedConfig (warns)
-        from rankwise.federated import config
+        import rankwise.federated.config as config
 
         return config.FSLoRAConfig
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
