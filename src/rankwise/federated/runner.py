@@ -28,9 +28,10 @@ from typing import Any, Callable, Mapping
 
 import torch
 
-from rankwise.core.lora import AdapterState, add_lora, get_state, set_state
-from rankwise.federated.client import make_client_fn
 import rankwise.federated.registry as registry
+from rankwise.core.lora import AdapterState, add_lora, get_state, set_state
+from rankwise.core.validate import check_int
+from rankwise.federated.client import make_client_fn
 from rankwise.federated.common import derive_seed
 from rankwise.federated.config import FederatedConfig
 from rankwise.federated.strategy import CHECKPOINT
@@ -271,10 +272,8 @@ class RunSettings:
 
     def __post_init__(self) -> None:
         registry.get(self.method)  # ValueError naming the registered methods
-        if not isinstance(self.num_clients, int) or isinstance(self.num_clients, bool) or self.num_clients < 1:
-            raise ValueError(f"num_clients must be an int >= 1, got {self.num_clients!r}")
-        if not isinstance(self.rounds, int) or isinstance(self.rounds, bool) or self.rounds < 1:
-            raise ValueError(f"rounds must be an int >= 1, got {self.rounds!r}")
+        check_int("num_clients", self.num_clients, 1)
+        check_int("rounds", self.rounds, 1)
         if self.config.clients_per_round > self.num_clients:
             raise ValueError(f"config.clients_per_round must be at most num_clients={self.num_clients}, "
                              f"got {self.config.clients_per_round}")

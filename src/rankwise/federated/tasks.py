@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from rankwise.core.validate import check_number
+from rankwise.core.validate import check_int, check_number
 from rankwise.federated.moe import LoRAMoE
 
 __all__ = [
@@ -208,8 +208,7 @@ class SyntheticTask(_TeacherStudentTask):
                  seed: int = 0) -> None:
         for k, v in dict(num_clients=num_clients, per_client=per_client, n_test=n_test, d_in=d_in, hidden=hidden,
                          num_labels=num_labels, teacher_rank=teacher_rank).items():
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"SyntheticTask.{k} must be an int >= 1, got {v!r}")
+            check_int(f"SyntheticTask.{k}", v, 1)
         self.num_clients, self.seed = num_clients, seed
         self.d_in, self.hidden, self.num_labels = d_in, hidden, num_labels
         gen = torch.Generator().manual_seed(seed)
@@ -278,8 +277,7 @@ class SyntheticMoETask(_TeacherStudentTask):
         for k, v in dict(num_clients=num_clients, per_client=per_client, n_test=n_test, d_in=d_in, hidden=hidden,
                          ffn=ffn, num_experts=num_experts, top_k=top_k, num_layers=num_layers, num_labels=num_labels,
                          teacher_rank=teacher_rank).items():
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"SyntheticMoETask.{k} must be an int >= 1, got {v!r}")
+            check_int(f"SyntheticMoETask.{k}", v, 1)
         for k, v in dict(router_skew=router_skew, teacher_scale=teacher_scale, expert_scale=expert_scale).items():
             check_number(f"SyntheticMoETask.{k}", v)
         self.num_clients, self.seed, self.top_k = num_clients, seed, top_k
