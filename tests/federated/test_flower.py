@@ -4,8 +4,8 @@
   Ray simulation with a client that raises ends with the same global adapter as the in-process
   run, and the raising client is left out.
 * ``test_deployment_two_rounds`` (marker ``federated``; in the default run because the issues ask CI to
-  run it: each ClientApp message starts a fresh ``flwr-clientapp`` process that imports torch, about
-  70-90 s in all on 2 busy cores): the secure deployment path of docs/federated.md on localhost. A
+  run it: each ClientApp message starts a fresh ``flwr-clientapp`` process that imports torch; 207 s
+  measured on 2 cores at load average 13): the secure deployment path of docs/federated.md on localhost. A
   throwaway CA signs a certificate for 127.0.0.1; the SuperLink serves TLS with SuperNode
   authentication on; two SuperNodes whose public keys were registered with ``flwr supernode
   register`` connect over TLS and run two FSLoRA rounds of ``rankwise.federated.app`` through
