@@ -515,3 +515,61 @@ def test_swift_svd_info_reports_the_float32_bound():
                    calib=[X[:50], X[50:]], target=nn.Linear)
     (layer,) = rep.layers
     assert 0 <= layer.info["float32_excess_bound_rel"] < 1e-2
+
+
+# ----------------------------------------------------------------------------------------------
+# larger than memory: compress_checkpoint on a sharded checkpoint
+
+
+def _llama_wide(seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    # intermediate 40 > hidden 16: gate/up are wider at the output and go through the reduction
+    cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=40, num_hidden_layers=3, num_attention_heads=2,
+                      num_key_value_heads=1, max_position_embeddings=32, tie_word_embeddings=False)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def test_compress_checkpoint_of_sharded_llama_is_identical_to_whole_mode(tmp_path, monkeypatch):
+    import rankwise.compress.blockwise as blockwise
+    import rankwise.compress.checkpoint as checkpoint
+    from rankwise.compress import compress_checkpoint, load_compressed
+
+    base = _llama_wide()
+    base.save_pretrained(tmp_path / "src", max_shard_size="20KB")
+    assert (tmp_path / "src" / "model.safetensors.index.json").is_file()  # sharded input
+    g = _gen(3)
+    batches = [{"input_ids": torch.randint(0, 64, (2, 12), generator=g)} for _ in range(3)]
+    cfg = SwiftSVDConfig(param_ratio=0.5, allocation="uniform")
+
+    calls = {"allocator": 0, "released": []}
+    real_fix, real_release = checkpoint.fix_mmap_threshold, blockwise.release_stats
+    monkeypatch.setattr(checkpoint, "fix_mmap_threshold", lambda *a: calls.__setitem__("allocator", 1) or real_fix(*a))
+    monkeypatch.setattr(blockwise, "release_stats", lambda s: calls["released"].append(real_release(s)))
+
+    whole = copy.deepcopy(base)
+    rw = compress(whole, cfg, calib=batches, mode="whole")
+    rc = compress_checkpoint(tmp_path / "src", cfg, batches, tmp_path / "out")
+    assert calls["allocator"] == 1  # the allocator is handled inside compress_checkpoint
+    # every block's float64 buffers were dropped once its layers were fitted (7 targets x (m^2) float64)
+    assert len(calls["released"]) == 3 and all(b > 0 for b in calls["released"])
+    assert rc.ranks == rw.ranks and rc.layer_errors == rw.layer_errors
+    back = load_compressed(tmp_path / "out")
+    with torch.no_grad():
+        for b in batches:
+            assert torch.equal(back(**b).logits, whole(**b).logits)
+
+
+def test_release_stats_drops_every_buffer():
+    from rankwise.compress.calibration import release_stats
+
+    lin = nn.Sequential(nn.Linear(6, 9))
+    with StatsCollector(lin, target=nn.Linear, kinds=("output_cov", "input_cov")) as col:
+        lin(torch.randn(20, 6))
+    stats = col.results()
+    (st,) = stats.values()
+    assert st.yty is not None and st.xtx is not None
+    freed = release_stats(stats)
+    assert freed >= 8 * (9 * 9 + 6 * 6)
+    assert st.yty is None and st.xtx is None and st.n_tokens == 20
