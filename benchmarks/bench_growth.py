@@ -100,7 +100,7 @@ def _growth(name: str, make: Callable[[int], Callable[[], Callable[[], Any]]], e
     impls = {f"d={d}": _threaded(make(d)) for d in sizes}
     return Case(name, impls=impls, anchor=f"d={sizes[0]}", repeats=repeats, warmup=1,
                 sizes={f"d={d}": float(d) for d in sizes}, expected_exponent=expected,
-                goals=(Goal(f"{name}: fitted exponent near the expected {expected:g}", metric="exponent"),),
+                goals=(Goal(f"fitted exponent near the expected {expected:g}", metric="exponent"),),
                 params={"sizes": sizes, "T": T, "rank": RANK, "rho": 0.4, "dtype": "float32",
                         "note": "ratio_vs_anchor = t(d) / t(smallest d)"})
 

@@ -14,7 +14,7 @@ where tensors live; file-backed pages of the safetensors shards are not charged)
 tries the cgroup first. The JSON (``benchmarks/results/large_checkpoint.json``) records which one ran.
 
 The default shapes (hidden 1024, intermediate 2752, 8 heads, vocabulary 8192, as many blocks as the size
-needs: 41 for 2 GB) keep Llama's proportions (intermediate = 2.69 x hidden) and depth: the peak is one
+needs: 39 for 2 GB) keep Llama's proportions (intermediate = 2.69 x hidden) and depth: the peak is one
 block's working set, so the ratio to the checkpoint falls with the number of blocks (see the memory formula
 in ``docs/compress.md``). This is a benchmark for an idle machine (minutes; it writes twice the checkpoint's
 size to ``--work-dir``), never a test: ``--smoke`` runs a tiny version without a cap to check the wiring.
@@ -49,6 +49,38 @@ def llama_shape(size_gb: float, hidden: int = 1024, intermediate: int = 2752, he
     layers = max(1, -(-int(size_gb * 1e9 - fixed) // per_block))
     return {"hidden_size": hidden, "intermediate_size": intermediate, "num_attention_heads": heads,
             "num_key_value_heads": kv_heads, "vocab_size": vocab, "num_hidden_layers": layers}
+
+
+def memory_estimate(config: dict[str, Any], *, method: str = "swift-svd", tokens: int = 65536, ratio: float = 0.4,
+                    param_bytes: int | None = None, act_bytes: int | None = None) -> dict[str, float]:
+    """Peak memory of ``compress_checkpoint`` above the import baseline, by term, from a Llama-style config (bytes).
+
+    The formula of ``docs/compress.md``: ``peak ~ max(N + A, P + rho P + S + F + A)`` with ``P`` one block's
+    weights, ``S`` its float64 statistics (all of a block's targets at once), ``F`` the float64 work
+    buffers of fitting its largest layer, ``A`` the cached block inputs and outputs (``2 T d`` elements),
+    ``N`` the non-block weights (embedding, head). ``param_bytes`` / ``act_bytes`` default to the
+    config's dtype (2 for bfloat16/float16, 4 otherwise).
+    """
+    d, f = config["hidden_size"], config["intermediate_size"]
+    heads = config["num_attention_heads"]
+    kv = config.get("num_key_value_heads", heads) * config.get("head_dim", d // heads)
+    V, L = config["vocab_size"], config["num_hidden_layers"]
+    dtype = str(config.get("torch_dtype", config.get("dtype", "float32")))
+    b = param_bytes or (2 if dtype in ("bfloat16", "float16") else 4)
+    a = act_bytes or b
+    shapes = [(d, d), (kv, d), (kv, d), (d, d), (f, d), (f, d), (d, f)]  # out x in: q k v o gate up down
+    P = b * sum(m * n for m, n in shapes)
+    if method.replace("_", "-") in ("swift-svd", "swiftsvd", "swift"):
+        S = 8 * sum(m * m for m, _ in shapes)  # output covariances
+        F = max(24 * m * n + 16 * n * n if m > n else 24 * m * m for m, n in shapes)  # QR/reduction or eigh
+    else:
+        S = 8 * sum(n * n for _, n in shapes)  # input covariances (SVD-LLM, ASVD, ...)
+        F = max(8 * (3 * n * n + 2 * m * n) for m, n in shapes)  # Cholesky, W S, its SVD
+    A = 2 * tokens * d * a
+    N = b * ((1 if config.get("tie_word_embeddings") else 2) * V * d + d)
+    peak = max(N + A, P + ratio * P + S + F + A)
+    return {"block_weights_P": P, "factors_rho_P": ratio * P, "statistics_S": S, "fit_workspace_F": F,
+            "activations_A": A, "non_block_N": N, "peak": peak, "checkpoint": b * (L * P / b + N / b)}
 
 
 def write_checkpoint(path: Path, shape: dict[str, int], seed: int = 0, blocks_per_shard: int = 4) -> int:
@@ -206,11 +238,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep", action="store_true", help="keep the work directory")
     ap.add_argument("--smoke", action="store_true", help="tiny checkpoint, no cap: check the wiring only")
     ap.add_argument("--out", type=Path, default=HERE / "results")
+    ap.add_argument("--estimate", type=Path, default=None, metavar="CONFIG_JSON",
+                    help="print the memory formula's terms for a checkpoint's config.json (--tokens) and exit")
+    ap.add_argument("--tokens", type=int, default=65536, help="calibration tokens for --estimate (65536)")
     ap.add_argument("--child", nargs=3, metavar=("CKPT", "OUT", "JSON"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
         args.ckpt, args.out, dest = args.child
         Path(dest).write_text(json.dumps(child(args)))
+        return 0
+    if args.estimate is not None:
+        est = memory_estimate(json.loads(args.estimate.read_text()), method=args.method, tokens=args.tokens,
+                              ratio=args.ratio)
+        for k, v in est.items():
+            print(f"  {k:<18} {v / 1e9:9.2f} GB")
         return 0
     if not 0 < args.cap_fraction <= 1:
         ap.error(f"--cap-fraction must be in (0, 1], got {args.cap_fraction}")

@@ -23,8 +23,11 @@ HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 DOC = HERE.parent / "docs" / "benchmarks.md"
 
-#: Measurements that are not harness modules (written by their own command), in the order shown.
-EXTRA = {"large_checkpoint": "python -m benchmarks.large_checkpoint --size-gb 2 (see docs/compress.md)"}
+#: Measurements that are not harness modules (written by their own command): name -> (command, goals).
+EXTRA = {"large_checkpoint": ("make bench-large (python -m benchmarks.large_checkpoint --size-gb 2; docs/compress.md)", [
+    "a >= 2 GB synthetic Llama-shaped sharded checkpoint is compressed under a memory cap of half its size",
+    "peak RSS above the import baseline <= 0.3x the checkpoint",
+    "output identical to whole-model mode on a small model"])}
 
 HEADER = """# Benchmarks
 
@@ -165,9 +168,9 @@ def render(results: Path = RESULTS, modules: list[str] | None = None) -> str:
                     counts["pending" if m.get("met") is None else ("met" if m["met"] else "not met")] += 1
             body += _measured(name, d)
         else:
-            goals = [] if name in EXTRA else _goal_texts(name)
-            counts["pending"] += max(1, len(goals)) if name in EXTRA or goals else 0
-            how = EXTRA.get(name, f"python -m benchmarks.run {name}")
+            goals = EXTRA[name][1] if name in EXTRA else _goal_texts(name)
+            counts["pending"] += len(goals)
+            how = EXTRA[name][0] if name in EXTRA else f"python -m benchmarks.run {name}"
             pending.append(f"* **{name}** (`{how}`): pending, not measured on an idle machine"
                            + ("".join(f"\n  * goal: {g}" for g in goals)))
     lines += [f"Goals: {counts['met']} met, {counts['not met']} not met, {counts['pending']} pending.", ""]
