@@ -111,20 +111,14 @@ def _growth_rows(entry: dict[str, Any]) -> list[str]:
 def _measured(name: str, data: dict[str, Any]) -> list[str]:
     lines = [f"## {name}", "", f"Environment: {_env(data.get('environment', {}))}.", ""]
     cases = data.get("cases", [])
-    plain = [c for c in cases if "growth" not in c]
-    growth = [c for c in cases if "growth" in c]
-    if plain:
-        lines += ["| case | implementation | median | ratio | spread (IQR) | repeats / warm-up / threads | goal |",
-                  "|---|---|---|---|---|---|---|"]
-        for c in plain:
-            lines += _case_rows(c)
-        lines.append("")
-    if growth:
-        lines += ["| growth case | sizes | medians | fitted exponent | spread (IQR) | expected | goal |",
-                  "|---|---|---|---|---|---|---|"]
-        for c in growth:
-            lines += _growth_rows(c)
-        lines.append("")
+    kinds = (("| case | implementation | median | ratio | spread (IQR) | repeats / warm-up / threads | goal |",
+              lambda c: "growth" not in c, _case_rows),
+             ("| growth case | sizes | medians | fitted exponent | spread (IQR) | expected | goal |",
+              lambda c: "growth" in c, _growth_rows))
+    for head, keep, rows in kinds:
+        chosen = [c for c in cases if keep(c)]
+        if chosen:
+            lines += [head, "|---|---|---|---|---|---|---|"] + [r for c in chosen for r in rows(c)] + [""]
     metrics = data.get("metrics", [])
     if metrics:
         lines += ["| metric | value | goal | met |", "|---|---|---|---|"]

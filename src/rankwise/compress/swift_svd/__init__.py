@@ -263,9 +263,11 @@ class SwiftSVD(LayerMethod):
     """Swift-SVD as a per-layer method of the pipeline (``compress(..., method="swift-svd")``).
 
     Reads the streamed output covariance (stats kind ``"output_cov"``, bias excluded). Options:
-    ``compute_dtype`` (float64 default; float32 for speed on large layers). :meth:`info` reports the
-    predicted relative error ``sum_{i>k} lambda_i / sum_i lambda_i``, the normalised effective rank
-    of ``Y`` (NER) and the output energy ``||Y||_F^2``.
+    ``compute_dtype`` (float64 default; float32 for speed on large layers, with the error bound of
+    :func:`float32_excess_bound`). Layers wider at the output than at the input use the exact reduction
+    of :func:`swift_svd_spectrum`. :meth:`info` reports the predicted relative error
+    ``sum_{i>k} lambda_i / sum_i lambda_i``, the normalised effective rank of ``Y`` (NER), the output
+    energy ``||Y||_F^2`` and, in float32, ``float32_excess_bound_rel`` (the bound over the optimum).
     """
 
     name = "swift-svd"
