@@ -282,7 +282,7 @@ def _rss_in_subprocess(case_name: str, impl: str, fixed_mmap: bool = False) -> d
     (:func:`rankwise.compress.fix_mmap_threshold`), as a user of ``compress_checkpoint`` should do."""
     import subprocess
 
-    code = (f"import json, benchmarks.bench_compress as b; "
+    code = ("import json, benchmarks.bench_compress as b; "
             + ("from rankwise.compress import fix_mmap_threshold; fix_mmap_threshold(); " if fixed_mmap else "")
             + f"print(json.dumps(b.rss_probe({case_name!r}, {impl!r})))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import copy
-import math
-import warnings
 
 import pytest
 import torch
