@@ -12,8 +12,8 @@ Cases (``python -m benchmarks.run compress``; JSON in ``benchmarks/results/compr
     than SVD-LLM(W) at every MiniLM shape (ratio < 1).
 ``decompose_{4096x4096,4096x11008,11008x4096}_{f32,f64}`` (Llama-7B attention / down_proj / up_proj)
     The same at LLM shapes, synthetic calibration with n + 512 tokens. Goals: Swift-SVD >= 2x faster
-    than SVD-LLM(W) (ratio <= 0.5) at 4096x4096 and 4096x11008; faster (ratio < 1) at 11008x4096, where
-    the reduction replaces the 11008 x 11008 eigendecomposition. Minutes per call on one thread: set
+    than SVD-LLM(W) (ratio <= 0.5) at 4096x4096 and 4096x11008; 11008x4096, where the reduction replaces
+    the 11008 x 11008 eigendecomposition, is shown without a goal. Minutes per call on one thread: set
     ``RANKWISE_BENCH_LLM=0`` to skip them.
 ``calibration_memory_4_vs_16_batches``
     Peak memory of collecting Swift-SVD's statistics on MiniLM from 4 and from 16 batches (8 sentences
@@ -210,7 +210,7 @@ CASES = [
 if LLM:
     CASES += [
         _decomp_case(f"decompose_{_shape(m, n)}_{tag}", [(m, n)], dt, 0, repeats=5, warmup=1,
-                     goals=_faster(m, n) if m > n else _twice(m, n))
+                     goals=() if m > n else _twice(m, n))  # the issue states no goal for 11008x4096
         for m, n in LLM_SHAPES for dt, tag in ((torch.float32, "f32"), (torch.float64, "f64"))
     ]
 
