@@ -83,7 +83,8 @@ def read_texts(path: str | Path) -> list[str]:
     try:
         lines = p.read_text(encoding="utf-8").splitlines()
     except UnicodeDecodeError as e:
-        raise ValueError(f"{p}: not UTF-8 text ({e})") from None
+        line = p.read_bytes()[:e.start].count(b"\n") + 1
+        raise ValueError(f"{p}:{line}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     out: list[str] = []
     if p.suffix.lower() in (".jsonl", ".ndjson"):
         for i, line in enumerate(lines, 1):
@@ -253,6 +254,10 @@ def compress_command(
     cfg = CompressConfig(method=name, ratio=ratio, allocation=allocation)
     cls = cfg.method_class
     notes: list[str] = []
+    if out is not None:  # an existing or unwritable --out fails now, not after the compression
+        from rankwise.compress.serialization import check_output_dir
+
+        check_output_dir(out, overwrite=overwrite)
 
     # the model
     if model_dir is None:
@@ -326,35 +331,16 @@ def compress_command(
     if out is not None:
         from rankwise.compress.serialization import save_compressed
 
-        out_dir = save_compressed(model, out, report, overwrite=overwrite)
-        try:
-            tokenizer.save_pretrained(str(out_dir))
-        except Exception as e:  # the model is saved; a tokenizer that cannot be saved is only noted
-            notes.append(f"the tokenizer was not saved ({e})")
+        out_dir = save_compressed(model, out, report, overwrite=overwrite, tokenizer=tokenizer)
     return CommandResult(report=report, method=name, model=model_name, calib_source=calib_source,
                          n_calib=len(calib_texts), n_eval=len(eval_texts), fidelity=fidelity, speed=speed,
                          out_dir=out_dir, seconds=time.perf_counter() - t0, notes=notes)
 
 
 def _load_model(d: Path) -> tuple[nn.Module, Any]:
-    import transformers
-    from transformers import AutoConfig, AutoTokenizer
+    from rankwise.compress.model_dir import load_model_dir
 
-    if not d.is_dir() or not (d / "config.json").is_file():
-        raise ArtifactError(f"{d}: not a model directory (save_pretrained layout with config.json)")
-    cfg = AutoConfig.from_pretrained(str(d), local_files_only=True)
-    archs = getattr(cfg, "architectures", None) or []
-    cls = getattr(transformers, archs[0], None) if archs else None
-    if cls is None:
-        cls = transformers.AutoModel
-    from rankwise.zoo.models import quiet_transformers
-
-    with quiet_transformers():
-        model = cls.from_pretrained(str(d), local_files_only=True)
-    try:
-        tok = AutoTokenizer.from_pretrained(str(d), local_files_only=True)
-    except Exception as e:
-        raise ArtifactError(f"{d}: no tokenizer could be loaded ({e})") from None
+    model, tok = load_model_dir(d)  # dense or compressed; weights, config and tokenizer checked
     if getattr(tok, "pad_token", None) is None:
         tok.pad_token = getattr(tok, "eos_token", None) or getattr(tok, "unk_token", None)
         if tok.pad_token is None:
