@@ -142,9 +142,11 @@ def _load_dense(d: Path, task: str, num_labels: int | None, seed: int) -> nn.Mod
     config = ser.read_config(d)
     cls = _model_class(config, task, d)
     _check_weight_files(d)
-    kw: dict[str, Any] = {}
+    # mismatched sizes are reported (not raised) so that the refusal below can name them; a head of
+    # another size is the one mismatch allowed (replaced by a new one)
+    kw: dict[str, Any] = {"ignore_mismatched_sizes": True}
     if task == "sequence-classification":
-        kw = {"num_labels": num_labels, "ignore_mismatched_sizes": True}  # a head of another size is replaced
+        kw["num_labels"] = num_labels
     try:
         with _no_progress_bar(), torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
