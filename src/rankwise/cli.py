@@ -62,6 +62,8 @@ class RankwiseGroup(TyperGroup):
         except click.exceptions.NoArgsIsHelpError:
             raise
         except click.UsageError as e:
+            if common.debug():
+                raise
             raise _fail(common.usage_line(e)) from None
 
     def resolve_command(self, ctx: click.Context, args: list[str]) -> Any:
