@@ -61,7 +61,7 @@ def test_a_non_utf8_data_file_names_the_file_and_line(tmp_path):
 
 
 def test_a_non_utf8_calibration_file_names_the_file_and_line(tmp_path):
-    from rankwise.compress.command import read_texts
+    from rankwise.core.textfiles import read_texts
 
     bad = tmp_path / "calib.txt"
     bad.write_bytes(b"one line\nanother line\n\xff\xfe third\n")

@@ -45,7 +45,7 @@ def test_compressed_dir_loads_as_compressed_for_every_task(tmp_path):
 
 
 def test_finetune_and_compress_call_sites_load_compressed_dirs(tmp_path):
-    from rankwise.compress.command import _load_model
+    from rankwise.verbs.compress import _load_model
     from rankwise.verbs.finetune import _build_model
 
     d, model, tok = _old_style_compressed_dir(tmp_path / "c")
@@ -147,7 +147,7 @@ def test_a_new_or_resized_head_is_allowed_and_reported_not_silenced(tmp_path):
 
 
 def test_a_directory_without_tokenizer_is_refused(tmp_path):
-    from rankwise.compress.command import compress_command
+    from rankwise.verbs.compress import compress_command
 
     d = md.dense_dir(tmp_path / "m", with_tokenizer=False)
     (d / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "BertTokenizer"}))

@@ -205,13 +205,13 @@ def test_a_tokenizer_that_cannot_be_saved_leaves_nothing(tmp_path, squeezed):
 
 
 def test_compress_checks_out_before_loading_or_compressing(tmp_path, monkeypatch):
-    from rankwise.compress import command
+    from rankwise.verbs import compress as command
 
     def no_work(*a, **k):
         raise AssertionError("the work started before --out was checked")
 
     monkeypatch.setattr(command, "_load_model", no_work)
-    monkeypatch.setattr("rankwise.compress.pipeline.compress", no_work)
+    monkeypatch.setattr("rankwise.compress.job.compress", no_work)
     busy = tmp_path / "busy"
     busy.mkdir()
     (busy / "keep.txt").write_text("mine")
