@@ -46,10 +46,10 @@ def test_compressed_dir_loads_as_compressed_for_every_task(tmp_path):
 
 def test_finetune_and_compress_call_sites_load_compressed_dirs(tmp_path):
     from rankwise.verbs.compress import _load_model
-    from rankwise.verbs.finetune import _build_model
+    from rankwise.verbs.finetune import build_model
 
     d, model, tok = _old_style_compressed_dir(tmp_path / "c")
-    ft, _ = _build_model(d, 2, 0)
+    ft, _ = build_model(str(d), 2, 0)
     assert sum(isinstance(m, LowRankLinear) for m in ft.modules()) == 12
     enc = tok(md.TEXTS, padding=True, return_tensors="pt")
     with torch.no_grad():
@@ -104,12 +104,12 @@ def test_missing_unexpected_or_resized_weights_are_refused_with_names(tmp_path, 
 
 
 def test_finetune_refuses_a_checkpoint_with_missing_backbone_weights(tmp_path):
-    from rankwise.verbs.finetune import _build_model
+    from rankwise.verbs.finetune import build_model
 
     d = md.dense_dir(tmp_path / "m")
     _rewrite_weights(d, lambda t: t.pop("encoder.layer.0.attention.self.query.weight"))
     with pytest.raises(ArtifactError, match="query.weight"):
-        _build_model(d, 2, 0)
+        build_model(str(d), 2, 0)
 
 
 def _transformers_log(fn):
@@ -127,13 +127,13 @@ def _transformers_log(fn):
 
 
 def test_a_new_or_resized_head_is_allowed_and_reported_not_silenced(tmp_path):
-    from rankwise.verbs.finetune import _build_model
+    from rankwise.verbs.finetune import build_model
 
     d = md.dense_dir(tmp_path / "base")
     model, _ = load_model_dir(d, task="sequence-classification", num_labels=2, seed=3)
     assert model.classifier.out_features == 2
     # transformers' loading report on the new head reaches the user (finetune no longer silences it)
-    assert "classifier.weight" in _transformers_log(lambda: _build_model(d, 2, 0))
+    assert "classifier.weight" in _transformers_log(lambda: build_model(str(d), 2, 0))
     head3 = md.dense_dir(tmp_path / "head3", model=md.bert(cls="BertForSequenceClassification", num_labels=3))
     model, _ = load_model_dir(head3, task="sequence-classification", num_labels=2)
     assert model.classifier.out_features == 2
