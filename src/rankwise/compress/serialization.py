@@ -41,12 +41,9 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import logging
 import os
 import re
-import shutil
-import socket
 import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
@@ -359,68 +356,10 @@ def _sha256_file(path: Path) -> str:
 def _file_digests(folder: Path) -> dict[str, str]:
     """SHA-256 of the files the metadata covers: all but the weights (own digests), the metadata, the marker."""
     return {p.name: _sha256_file(p) for p in sorted(folder.iterdir())
-            if p.is_file() and p.name not in (META_FILE, _MARKER) and not p.name.endswith(".safetensors")}
+            if p.is_file() and p.name not in (META_FILE, io.WRITER_MARKER) and not p.name.endswith(".safetensors")}
 
 
-# a run killed while writing leaves its temporary directory behind; this marker inside it says whose it is
-_MARKER = ".rankwise-writer.json"
-
-
-def _mark(tmp: Path) -> None:
-    (tmp / _MARKER).write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
-
-
-def _unmark(tmp: Path) -> None:
-    (tmp / _MARKER).unlink(missing_ok=True)
-
-
-def _writer_gone(tmp: Path) -> bool:
-    """The marker of ``tmp`` names a process of this host that no longer runs."""
-    try:
-        info = json.loads((tmp / _MARKER).read_text())
-        pid, host = int(info["pid"]), info["host"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return False
-    if host != socket.gethostname() or pid == os.getpid():
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except OSError:  # exists, owned by someone else
-        return False
-    return False
-
-
-def clean_stale_siblings(directory: str | Path) -> list[Path]:
-    """Delete what killed writes of ``directory`` left beside it; warn about what cannot be proven stale.
-
-    Removed: temporary ``.<name>.XXXXXXXX.tmp`` directories whose writer (recorded in a marker file)
-    is no longer running on this host; ``.<name>.XXXXXXXX.old`` directories (a replaced version whose
-    deletion was interrupted) when ``directory`` itself exists. Returns the paths removed.
-    """
-    d = Path(directory)
-    if not d.parent.is_dir():
-        return []
-    pat = re.compile(rf"\.{re.escape(d.name)}\.[a-z0-9_]{{8}}\.(tmp|old)")
-    removed = []
-    for p in sorted(d.parent.iterdir()):
-        m = pat.fullmatch(p.name)
-        if m is None or not p.is_dir() or p.is_symlink():
-            continue
-        if (m.group(1) == "tmp" and _writer_gone(p)) or (m.group(1) == "old" and d.is_dir()):
-            shutil.rmtree(p, ignore_errors=True)
-            if not p.exists():
-                removed.append(p)
-                log.info("removed %s, left by an interrupted write of %s", p, d)
-                continue
-        if m.group(1) == "old":
-            log.warning("%s holds a previous version of %s left by an interrupted --overwrite; rename it back "
-                        "or delete it", p, d)
-        else:
-            log.warning("%s is the temporary directory of a write of %s that is still running or was "
-                        "interrupted; delete it if no rankwise process is writing there", p, d)
-    return removed
+clean_stale_siblings = io.clean_stale_siblings  # public here since format version 2
 
 
 def check_output_dir(directory: str | Path, *, overwrite: bool = False) -> Path:
@@ -468,15 +407,12 @@ def save_compressed(model: nn.Module, directory: str | Path, report: Compression
     fp = base_fingerprint or (report.extra.get("base_fingerprint") if report is not None else None)
     sd = {k: v.detach() for k, v in model.state_dict().items()}
     directory = Path(directory)
-    clean_stale_siblings(directory)
     with io.atomic_dir(directory, overwrite=overwrite) as tmp:
-        _mark(tmp)
         _write_config(model, tmp)
         if tokenizer is not None:
             _write_tokenizer(tokenizer, tmp)
         io.save_tensors(tmp / WEIGHTS_FILE, sd, metadata={"format": FORMAT, "version": VERSION})
         io.write_json(tmp / META_FILE, _metadata(model, report, fp, count_parameters(model), _file_digests(tmp)))
-        _unmark(tmp)
     return directory
 
 
@@ -493,10 +429,8 @@ class ShardWriter:
         self.tmp: Path | None = None
 
     def __enter__(self) -> "ShardWriter":
-        clean_stale_siblings(self.directory)
         self._stack = contextlib.ExitStack()
         self.tmp = self._stack.enter_context(io.atomic_dir(self.directory, overwrite=self.overwrite))
-        _mark(self.tmp)
         return self
 
     def __exit__(self, *exc: Any) -> bool:
@@ -528,7 +462,6 @@ class ShardWriter:
             _write_tokenizer(tokenizer, self.tmp)
         io.write_json(self.tmp / META_FILE, _metadata(model, report, fingerprint, report.params_after,
                                                       _file_digests(self.tmp)))
-        _unmark(self.tmp)
 
 
 # ----------------------------------------------------------------------------------------------
