@@ -39,6 +39,7 @@ from torch import Tensor
 
 from rankwise.core.errors import NumericalError, RankwiseError
 from rankwise.core.registry import register
+from rankwise.core.validate import check_int
 
 __all__ = [
     "IntrinsicConfig",
@@ -85,12 +86,6 @@ def _t(x: Any, name: str = "tensor") -> Tensor:
     if not torch.isfinite(t).all():
         raise ValueError(f"{name} holds non-finite values")
     return t
-
-
-def _pos_int(name: str, v: Any) -> int:
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-        raise ValueError(f"{name} must be a positive int, got {v!r}")
-    return int(v)
 
 
 def _gen(seed: int | torch.Generator | None) -> torch.Generator:
@@ -373,7 +368,7 @@ class LinearFactorization(LiftedSystem):
     """
 
     def __init__(self, n: int, m: int, r: int) -> None:
-        self.n, self.m, self.r = _pos_int("n", n), _pos_int("m", m), _pos_int("r", r)
+        self.n, self.m, self.r = check_int("n", n, 1), check_int("m", m, 1), check_int("r", r, 1)
         self.dim_theta = (self.n + self.m) * self.r
 
     def split(self, theta: Tensor) -> tuple[Tensor, Tensor]:
@@ -538,7 +533,7 @@ class DeepLinear(LiftedSystem):
     """
 
     def __init__(self, dims: Sequence[int]) -> None:
-        dims = [_pos_int("dims[i]", d) for d in dims]
+        dims = [check_int("dims[i]", d, 1) for d in dims]
         if len(dims) < 2:
             raise ValueError(f"dims must hold at least [d_in, d_out], got {dims}")
         self.dims = dims
@@ -626,7 +621,7 @@ class ReLUNet(LiftedSystem):
     """
 
     def __init__(self, d: int, k: int) -> None:
-        self.d, self.k = _pos_int("d", d), _pos_int("k", k)
+        self.d, self.k = check_int("d", d, 1), check_int("k", k, 1)
         self.dim_theta = self.k * self.d + self.k
 
     def split(self, theta: Tensor) -> tuple[Tensor, Tensor]:
@@ -708,7 +703,7 @@ class DeepReLUPathLift(LiftedSystem):
     """
 
     def __init__(self, widths: Sequence[int]) -> None:
-        widths = [_pos_int("widths[i]", w) for w in widths]
+        widths = [check_int("widths[i]", w, 1) for w in widths]
         if len(widths) < 2:
             raise ValueError(f"widths must hold at least [d_in, d_out], got {widths}")
         self.widths = widths
@@ -755,7 +750,7 @@ class LinearODE(DeepLinear):
     """
 
     def __init__(self, d: int, N: int = 64) -> None:
-        super().__init__([_pos_int("d", d)] * (_pos_int("N", N) + 1))
+        super().__init__([check_int("d", d, 1)] * (check_int("N", N, 1) + 1))
         self.d = d
         self.velocity_scale = 1.0 / N
         self._dW_dtheta = 1.0 / math.sqrt(N)
@@ -805,7 +800,7 @@ class CustomLift(LiftedSystem):
         if not callable(phi):
             raise TypeError("phi must be a callable theta -> z")
         self._phi, self._h, self._v = phi, invariants, intrinsic_velocity
-        self.dim_theta = _pos_int("dim_theta", dim_theta)
+        self.dim_theta = check_int("dim_theta", dim_theta, 1)
 
     def phi(self, theta: Tensor) -> Tensor:
         return self._phi(theta)

@@ -41,6 +41,7 @@ from torch import Tensor, nn
 
 from rankwise.core.errors import ArtifactError, NumericalError
 from rankwise.core.registry import register
+from rankwise.core.validate import check_choice, check_int, check_number, check_positive, check_unit
 
 log = logging.getLogger(__name__)
 
@@ -74,12 +75,9 @@ class RootPurgeConfig:
     target: Literal["zero", "model_zero"] = "zero"
 
     def __post_init__(self) -> None:
-        if not isinstance(self.lam, (int, float)) or not math.isfinite(self.lam) or self.lam < 0:
-            raise ValueError(f"RootPurgeConfig.lam must be a finite number >= 0, got {self.lam!r}")
-        if not isinstance(self.order, int) or self.order < 1:
-            raise ValueError(f"RootPurgeConfig.order must be an integer >= 1, got {self.order!r}")
-        if self.target not in ("zero", "model_zero"):
-            raise ValueError(f"RootPurgeConfig.target must be 'zero' or 'model_zero', got {self.target!r}")
+        check_number("RootPurgeConfig.lam", self.lam, 0.0)
+        check_int("RootPurgeConfig.order", self.order, 1)
+        check_choice("RootPurgeConfig.target", self.target, ("zero", "model_zero"))
 
 
 @dataclass(frozen=True)
@@ -103,17 +101,11 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "val_every"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"TrainConfig.{name} must be an integer >= 1, got {v!r}")
-        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
-            raise ValueError(f"TrainConfig.lr must be a finite number > 0, got {self.lr!r}")
+            check_int(f"TrainConfig.{name}", getattr(self, name), 1)
+        check_positive("TrainConfig.lr", self.lr)
         for name in ("weight_decay", "l1"):
-            v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
-                raise ValueError(f"TrainConfig.{name} must be a finite number >= 0, got {v!r}")
-        if not isinstance(self.seed, int):
-            raise ValueError(f"TrainConfig.seed must be an integer, got {self.seed!r}")
+            check_number(f"TrainConfig.{name}", getattr(self, name), 0.0)
+        check_int("TrainConfig.seed", self.seed)
 
 
 # --------------------------------------------------------------------------------------------
@@ -142,12 +134,6 @@ def _check_finite(t: Tensor, name: str) -> None:
                          "linear interpolation (pandas.Series.interpolate) as for the co2 series")
 
 
-def _check_int(v: Any, name: str, lo: int = 1) -> int:
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or int(v) < lo:
-        raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
-    return int(v)
-
-
 def as_series(series: ArrayLike, name: str = "series") -> Tensor:
     """A series as a float64 tensor ``(T, C)`` (a 1-D series becomes one channel); checks finiteness."""
     s = _as_tensor(series, name)
@@ -168,9 +154,9 @@ def make_windows(series: ArrayLike, lookback: int, horizon: int, stride: int = 1
     ``N = (T - L - H) // stride + 1``; window ``i`` starts at ``i * stride``.
     Raises ``ValueError`` when the series is shorter than ``L + H``.
     """
-    L = _check_int(lookback, "lookback")
-    H = _check_int(horizon, "horizon")
-    stride = _check_int(stride, "stride")
+    L = check_int("lookback", lookback, 1)
+    H = check_int("horizon", horizon, 1)
+    stride = check_int("stride", stride, 1)
     s = as_series(series)
     T = s.shape[0]
     if T < L + H:
@@ -283,11 +269,8 @@ class RRRPath:
 
 
 def _check_rank(rank: Any, L: int, H: int) -> int:
-    if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)):
-        raise ValueError(f"rank must be an integer in [1, min(L, H)] = [1, {min(L, H)}] (L={L}, H={H}), got {rank!r}")
-    if not 1 <= int(rank) <= min(L, H):
-        raise ValueError(f"rank must be in [1, min(L, H)] = [1, {min(L, H)}] (L={L}, H={H}), got {rank}")
-    return int(rank)
+    """``rank`` as an int in ``[1, min(L, H)]``; the message names L and H."""
+    return check_int(f"rank (at most min(L, H), L={L}, H={H})", rank, 1, min(L, H))  # type: ignore[return-value]
 
 
 def rrr_path(X: ArrayLike, Y: ArrayLike, W: ArrayLike | None = None, instance_norm: bool = True,
@@ -401,8 +384,7 @@ def singular_values(W: ArrayLike) -> np.ndarray:
 
 def tail_singular_sum(W: ArrayLike, fraction: float = 0.8) -> float:
     """Sum of the bottom ``fraction`` of the singular values of ``W`` (spec claim 4's statistic)."""
-    if not 0 < fraction <= 1:
-        raise ValueError(f"fraction must be in (0, 1], got {fraction}")
+    check_unit("fraction", fraction, low_open=True)
     s = singular_values(W)
     k = int(round(fraction * len(s)))
     return float(s[len(s) - k:].sum()) if k else 0.0
@@ -433,9 +415,7 @@ def characteristic_roots(W: ArrayLike, step: int = 1, instance_norm: bool = True
     """
     w = effective_weight(W, instance_norm)
     L, H = w.shape
-    h = _check_int(step, "step")
-    if h > H:
-        raise ValueError(f"step must be in [1, H] = [1, {H}], got {h}")
+    h = check_int("step", step, 1, H)
     c = w[:, h - 1].numpy()
     coeffs = np.concatenate([[1.0], np.zeros(h - 1), -c[::-1]])
     roots = np.roots(coeffs)
@@ -483,8 +463,8 @@ class LinearForecaster(nn.Module):
     def __init__(self, L: int, H: int, channels: int = 1, individual: bool = False, instance_norm: bool = True,
                  generator: torch.Generator | None = None) -> None:
         super().__init__()
-        self.L, self.H = _check_int(L, "L"), _check_int(H, "H")
-        self.channels = _check_int(channels, "channels")
+        self.L, self.H = check_int("L", L, 1), check_int("H", H, 1)
+        self.channels = check_int("channels", channels, 1)
         self.individual = bool(individual)
         self.instance_norm = bool(instance_norm)
         g = self.channels if self.individual else 1
@@ -540,12 +520,10 @@ class FrequencyLinearForecaster(nn.Module):
     def __init__(self, L: int, H: int, cutoff: int | None = None, instance_norm: bool = True,
                  generator: torch.Generator | None = None) -> None:
         super().__init__()
-        self.L, self.H = _check_int(L, "L"), _check_int(H, "H")
+        self.L, self.H = check_int("L", L, 1), check_int("H", H, 1)
         self.instance_norm = bool(instance_norm)
         nin = self.L // 2 + 1
-        self.cutoff = nin if cutoff is None else _check_int(cutoff, "cutoff")
-        if self.cutoff > nin:
-            raise ValueError(f"cutoff must be in [1, L//2+1] = [1, {nin}], got {cutoff}")
+        self.cutoff = nin if cutoff is None else check_int("cutoff (<= L//2+1)", cutoff, 1, nin)
         self.n_out = (self.L + self.H) // 2 + 1
         k = 1.0 / math.sqrt(self.cutoff)
         re = torch.rand(self.cutoff, self.n_out, generator=generator) * 2 * k - k
@@ -587,8 +565,8 @@ class DLinearForecaster(nn.Module):
     def __init__(self, L: int, H: int, kernel: int = 25, instance_norm: bool = False,
                  generator: torch.Generator | None = None) -> None:
         super().__init__()
-        self.L, self.H = _check_int(L, "L"), _check_int(H, "H")
-        self.kernel = _check_int(kernel, "kernel")
+        self.L, self.H = check_int("L", L, 1), check_int("H", H, 1)
+        self.kernel = check_int("kernel", kernel, 1)
         self.instance_norm = bool(instance_norm)
         self.individual = False
         bound = 1.0 / math.sqrt(self.L)
@@ -849,7 +827,7 @@ def fit_linear_ensemble(X: Tensor, Y: Tensor, lams: Sequence[float] | Tensor, tr
     lam = torch.as_tensor(lams, dtype=torch.float32).reshape(-1)
     if lam.numel() != S or bool((lam < 0).any()) or not bool(torch.isfinite(lam).all()):
         raise ValueError(f"lams must hold {S} finite values >= 0, got {lam.tolist()}")
-    _check_int(order, "order")
+    check_int("order", order, 1)
     g_init = torch.Generator().manual_seed(train.seed)
     bound = 1.0 / math.sqrt(L)
     # same initial draws as S LinearForecaster(L, H, generator=g_init) built one after another
@@ -946,14 +924,11 @@ class Forecaster:
                  ranks: Sequence[int] | None = None, purge: RootPurgeConfig | None = None,
                  train: TrainConfig | None = None, backbone: str = "linear",
                  channel_mode: str = "independent", instance_norm: bool = True, rcond: float = RCOND) -> None:
-        self.L = _check_int(lookback, "lookback")
-        self.H = _check_int(horizon, "horizon")
-        if method not in _METHODS:
-            raise ValueError(f"method must be one of {_METHODS}, got {method!r}")
-        if backbone not in _BACKBONES:
-            raise ValueError(f"backbone must be one of {_BACKBONES}, got {backbone!r}")
-        if channel_mode not in _CHANNEL_MODES:
-            raise ValueError(f"channel_mode must be one of {_CHANNEL_MODES}, got {channel_mode!r}")
+        self.L = check_int("lookback", lookback, 1)
+        self.H = check_int("horizon", horizon, 1)
+        check_choice("method", method, _METHODS)
+        check_choice("backbone", backbone, _BACKBONES)
+        check_choice("channel_mode", channel_mode, _CHANNEL_MODES)
         if rank is not None:
             _check_rank(rank, self.L, self.H)
         if ranks is not None:
@@ -1162,7 +1137,7 @@ class ARBaseline:
         if s.shape[1] != 1:
             raise ValueError("ARBaseline is univariate; pass one channel")
         s = s[:, 0]
-        maxlag = _check_int(maxlag, "maxlag")
+        maxlag = check_int("maxlag", maxlag, 1)
         sel = ar_select_order(s, maxlag=maxlag, ic=ic, trend="c")
         lags = sel.ar_lags
         p = int(max(lags)) if lags else 0

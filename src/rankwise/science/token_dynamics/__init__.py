@@ -47,6 +47,7 @@ from torch import nn
 
 from rankwise.core.errors import NumericalError, SelectionError
 from rankwise.core.registry import register
+from rankwise.core.validate import check_bool, check_choice, check_int, check_number, check_positive, check_unit
 
 __all__ = [
     "TokenDynamicsConfig",
@@ -75,19 +76,6 @@ DEGENERATE_FLOOR = 1e-12
 MAX_RESAMPLES = 100
 # Memory guard for trajectories kept in RAM (float64 bytes).
 MAX_TRAJ_BYTES = 2 * 1024**3
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
-
-
-def _finite_float(name: str, x: Any) -> float:
-    if isinstance(x, bool) or not isinstance(x, (int, float, np.integer, np.floating)):
-        raise TypeError(f"{name} must be a real number, got {type(x).__name__} ({x!r})")
-    x = float(x)
-    if not math.isfinite(x):
-        raise ValueError(f"{name} must be finite, got {x}")
-    return x
 
 
 # --------------------------------------------------------------------------------------------------
@@ -139,46 +127,25 @@ class TokenDynamicsConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("n_tokens", "dim", "runs", "record_every", "seed"):
-            v = getattr(self, name)
-            if not _is_int(v):
-                raise TypeError(f"TokenDynamicsConfig.{name} must be an int, got {type(v).__name__} ({v!r})")
-        if self.n_tokens < 1:
-            raise ValueError(f"TokenDynamicsConfig.n_tokens must be >= 1, got {self.n_tokens}")
-        if self.dim < 2:
-            raise ValueError(f"TokenDynamicsConfig.dim must be >= 2 (tokens on the sphere S^(d-1)), got {self.dim}")
-        if self.runs < 1:
-            raise ValueError(f"TokenDynamicsConfig.runs must be >= 1, got {self.runs}")
-        if self.record_every < 1:
-            raise ValueError(f"TokenDynamicsConfig.record_every must be >= 1, got {self.record_every}")
-        if self.seed < 0:
-            raise ValueError(f"TokenDynamicsConfig.seed must be >= 0, got {self.seed}")
-        beta = _finite_float("TokenDynamicsConfig.beta", self.beta)
+        check_int("TokenDynamicsConfig.n_tokens", self.n_tokens, 1)
+        check_int("TokenDynamicsConfig.dim", self.dim, 2)  # tokens on the sphere S^(d-1)
+        check_int("TokenDynamicsConfig.runs", self.runs, 1)
+        check_int("TokenDynamicsConfig.record_every", self.record_every, 1)
+        check_int("TokenDynamicsConfig.seed", self.seed, 0)
+        beta = check_number("TokenDynamicsConfig.beta", self.beta)
         if beta < 0:
             warnings.warn(f"TokenDynamicsConfig.beta={beta} < 0: repulsive attention, outside the paper's setting",
                           stacklevel=3)
-        T = _finite_float("TokenDynamicsConfig.horizon", self.horizon)
-        if T <= 0:
-            raise ValueError(f"TokenDynamicsConfig.horizon must be > 0, got {T}")
-        h = _finite_float("TokenDynamicsConfig.step", self.step)
-        if not 0 < h <= 0.5:
-            raise ValueError(f"TokenDynamicsConfig.step must be in (0, 0.5], got {h}")
+        T = check_positive("TokenDynamicsConfig.horizon", self.horizon)
+        h = check_number("TokenDynamicsConfig.step", self.step, 0.0, 0.5, low_open=True)
         if h > T:
             raise ValueError(f"TokenDynamicsConfig.step={h} exceeds the horizon {T}")
-        s = _finite_float("TokenDynamicsConfig.noise_scale", self.noise_scale)
-        if not 0 <= s <= 1:
-            raise ValueError(f"TokenDynamicsConfig.noise_scale must be in [0, 1], got {s}")
-        if self.drift is not None:
-            _finite_float("TokenDynamicsConfig.drift", self.drift)
-        if not isinstance(self.noise, bool):
-            raise TypeError(f"TokenDynamicsConfig.noise must be a bool, got {self.noise!r}")
-        if not isinstance(self.keep_traj, bool):
-            raise TypeError(f"TokenDynamicsConfig.keep_traj must be a bool, got {self.keep_traj!r}")
-        if self.integrator not in ("discrete", "sde"):
-            raise ValueError(f"TokenDynamicsConfig.integrator must be 'discrete' or 'sde', got {self.integrator!r}")
-        thr = _finite_float("TokenDynamicsConfig.threshold", self.threshold)
-        if not 0 < thr < 1:
-            raise ValueError(f"TokenDynamicsConfig.threshold must be in (0, 1), got {thr}")
+        check_unit("TokenDynamicsConfig.noise_scale", self.noise_scale)
+        check_number("TokenDynamicsConfig.drift", self.drift, allow_none=True)
+        check_bool("TokenDynamicsConfig.noise", self.noise)
+        check_bool("TokenDynamicsConfig.keep_traj", self.keep_traj)
+        check_choice("TokenDynamicsConfig.integrator", self.integrator, ("discrete", "sde"))
+        check_unit("TokenDynamicsConfig.threshold", self.threshold, low_open=True, high_open=True)
         if self.keep_traj:
             n_rec = self.n_layers // self.record_every + 2
             need = self.runs * n_rec * self.n_tokens * self.dim * 8
@@ -659,9 +626,8 @@ def two_token_drift_diffusion(rho: float | np.ndarray, beta: float, d: int, *, n
     The cross term ``(A_1.A_2)(d-2+rho^2)/d`` is the Ito covariation of the COMMON noise:
     ``tr(P_perp(u_1) P_perp(u_2)) = d - 2 + rho^2``.
     """
-    if not _is_int(d) or d < 2:
-        raise ValueError(f"d must be an int >= 2, got {d!r}")
-    beta = _finite_float("beta", beta)
+    check_int("d", d, 2)
+    beta = check_number("beta", beta)
     r = np.asarray(rho, dtype=np.float64)
     if not np.isfinite(r).all() or (np.abs(r) > 1 + 1e-12).any():
         raise ValueError("rho must be finite and in [-1, 1]")
@@ -691,9 +657,8 @@ def lyapunov_exponents(beta: float, d: int, *, noise_scale: float = 1.0, drift: 
 
     so with centred values (m = 0) the antipodal pair is attracting iff ``cosh^2(beta) > (d-1)/2``.
     """
-    beta = _finite_float("beta", beta)
-    if not _is_int(d) or d < 2:
-        raise ValueError(f"d must be an int >= 2, got {d!r}")
+    beta = check_number("beta", beta)
+    check_int("d", d, 2)
     s2 = float(noise_scale) ** 2
     m = float(drift)
     if method == "closed":
@@ -727,8 +692,7 @@ def antipodal_boundary_beta(d: int) -> float:
     ``beta_c = arccosh(sqrt((d-1)/2))`` for ``d > 3``; 0 for ``d <= 3`` (``d = 3`` is marginal at
     ``beta = 0``, ``d = 2`` attracting for every beta). From ``lambda_- < 0`` of :func:`lyapunov_exponents`.
     """
-    if not _is_int(d) or d < 2:
-        raise ValueError(f"d must be an int >= 2, got {d!r}")
+    check_int("d", d, 2)
     v = math.sqrt((d - 1) / 2)
     return math.acosh(v) if v > 1 else 0.0
 
@@ -789,10 +753,9 @@ class SphereTransformer(nn.Module):
         super().__init__()
         for name, v in (("vocab", vocab), ("dim", dim), ("depth", depth), ("n_classes", n_classes),
                         ("max_len", max_len)):
-            if not _is_int(v) or v < 1:
-                raise ValueError(f"SphereTransformer.{name} must be a positive int, got {v!r}")
-        _finite_float("value_scale", value_scale)
-        _finite_float("value_mean", value_mean)
+            check_int(f"SphereTransformer.{name}", v, 1)
+        check_number("SphereTransformer.value_scale", value_scale)
+        check_number("SphereTransformer.value_mean", value_mean)
         g = torch.Generator().manual_seed(int(seed))
         self.dim, self.depth = dim, depth
         self.embed = nn.Embedding(vocab, dim)
@@ -855,10 +818,8 @@ class StochasticValueInit:
                  target: Any = None) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        self.scale = _finite_float("scale", scale)
-        self.mean = _finite_float("mean", mean)
-        if self.scale < 0:
-            raise ValueError(f"scale must be >= 0, got {self.scale}")
+        self.scale = check_number("scale", scale, 0.0)
+        self.mean = check_number("mean", mean)
         g = torch.Generator().manual_seed(int(seed))
         plan = self._plan(model, target)
         writes: list[tuple[torch.Tensor, tuple[slice, slice] | None, torch.Tensor, torch.Tensor | None]] = []
