@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Callable, Iterable
+from dataclasses import asdict
+from typing import Any, Callable, ClassVar, Iterable
 
 import torch
 from torch import nn
@@ -33,6 +34,7 @@ from rankwise.core.validate import check_bool, check_choice, check_number, check
 
 __all__ = [
     "TINY",
+    "FromConfig",
     "LowMemOptimizer",
     "adamw_step",
     "check_betas",
@@ -224,11 +226,25 @@ def adamw_step(p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group
 # the shared base
 
 
-class LowMemOptimizer(torch.optim.Optimizer):
+class FromConfig:
+    """Mixin of the family's optimizers: ``cls.from_config(params, config, **kwargs)`` builds the optimizer
+    from its frozen config dataclass (``config_class``), i.e. ``cls(params, **asdict(config), **kwargs)``."""
+
+    config_class: ClassVar[type]
+
+    @classmethod
+    def from_config(cls, params: Any, config: Any, **kwargs: Any) -> Any:
+        if not isinstance(config, cls.config_class):
+            raise TypeError(f"config must be an instance of {cls.config_class.__name__}, got {type(config).__name__}")
+        return cls(params, **asdict(config), **kwargs)  # type: ignore[call-arg]
+
+
+
+class LowMemOptimizer(FromConfig, torch.optim.Optimizer):
     """Base of RACS and Alice: group validation, AdamW routing, non-finite policy, shape checks.
 
-    Subclasses implement ``_validate_method(group, index)``, ``_check_param(p, group, index)`` and
-    ``_matrix_step(p, grad, state, group)``.
+    Subclasses set ``config_class`` and implement ``_validate_method(group, index)``,
+    ``_check_param(p, group, index)`` and ``_matrix_step(p, grad, state, group)``.
     """
 
     method_name = "lowmem"

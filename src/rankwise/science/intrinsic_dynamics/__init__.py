@@ -520,6 +520,15 @@ def _guarded_inv(S: Tensor, what: str) -> Tensor:
     return (V / lam) @ V.mT
 
 
+def _split_matrices(theta: Tensor, shapes: Sequence[tuple[int, int]]) -> list[Tensor]:
+    """The consecutive ``(a, b)`` matrices of a flat parameter vector, in the order of ``shapes``."""
+    out, i = [], 0
+    for a, b in shapes:
+        out.append(theta[i:i + a * b].reshape(a, b))
+        i += a * b
+    return out
+
+
 class DeepLinear(LiftedSystem):
     """Deep linear net ``Z = W_N ... W_1``, ``W_j (d_j, d_{j-1})``, ``dims = [d_0, ..., d_N]``.
 
@@ -543,11 +552,7 @@ class DeepLinear(LiftedSystem):
         self.velocity_scale = 1.0
 
     def weights(self, theta: Tensor) -> list[Tensor]:
-        out, i = [], 0
-        for a, b in self.shapes:
-            out.append(theta[i:i + a * b].reshape(a, b))
-            i += a * b
-        return out
+        return _split_matrices(theta, self.shapes)
 
     def join(self, Ws: Sequence[Tensor]) -> Tensor:
         return torch.cat([W.reshape(-1) for W in Ws]).to(DTYPE)
@@ -711,11 +716,7 @@ class DeepReLUPathLift(LiftedSystem):
         self.dim_theta = sum(a * b for a, b in self.shapes)
 
     def weights(self, theta: Tensor) -> list[Tensor]:
-        out, i = [], 0
-        for a, b in self.shapes:
-            out.append(theta[i:i + a * b].reshape(a, b))
-            i += a * b
-        return out
+        return _split_matrices(theta, self.shapes)
 
     def phi(self, theta: Tensor) -> Tensor:
         Ws = self.weights(theta)

@@ -450,7 +450,37 @@ def ar_roots(coefficients: ArrayLike) -> np.ndarray:
 # --------------------------------------------------------------------------------------------
 
 
-class LinearForecaster(nn.Module):
+class _LinearBackbone(nn.Module):
+    """What the linear backbones share: a bias-free map ``core`` on ``(B, L, C)`` -> ``(B, H, C)``, optional
+    instance normalisation around it, 2-D inputs ``(B, L)`` read as one channel, and the map's
+    equivalent ``(L, H)`` matrix (:meth:`linear_weight`, computed by applying ``core`` to the identity)."""
+
+    L: int
+    H: int
+    instance_norm: bool
+
+    def core(self, x: Tensor) -> Tensor:  # pragma: no cover - every backbone defines it
+        raise NotImplementedError
+
+    def forward(self, x: Tensor) -> Tensor:
+        squeeze = x.ndim == 2
+        if squeeze:
+            x = x[..., None]
+        if self.instance_norm:
+            m = x.mean(1, keepdim=True)
+            y = self.core(x - m) + m
+        else:
+            y = self.core(x)
+        return y[..., 0] if squeeze else y
+
+    def linear_weight(self) -> Tensor:
+        """The ``(L, H)`` matrix of the core map, detached."""
+        with torch.no_grad():
+            eye = torch.eye(self.L, dtype=next(self.parameters()).dtype)[:, :, None]  # (L batch, L, 1)
+            return self.core(eye)[..., 0].detach()
+
+
+class LinearForecaster(_LinearBackbone):
     """Bias-free linear forecaster, ``x (B, L, C) -> (B, H, C)`` (spec §7, "Linear").
 
     ``individual=False`` shares one ``(L, H)`` weight across channels (channel independence, CI);
@@ -492,24 +522,13 @@ class LinearForecaster(nn.Module):
             return torch.einsum("blc,clh->bhc", x, self.weight)
         return torch.einsum("blc,lh->bhc", x, self.weight[0])
 
-    def forward(self, x: Tensor) -> Tensor:
-        squeeze = x.ndim == 2
-        if squeeze:
-            x = x[..., None]
-        if self.instance_norm:
-            m = x.mean(1, keepdim=True)
-            y = self.core(x - m) + m
-        else:
-            y = self.core(x)
-        return y[..., 0] if squeeze else y
-
     def linear_weight(self) -> Tensor:
         """The ``(L, H)`` (or ``(C, L, H)``) matrix of the core map, detached."""
         w = self.weight.detach()
         return w[0] if not self.individual else w
 
 
-class FrequencyLinearForecaster(nn.Module):
+class FrequencyLinearForecaster(_LinearBackbone):
     """Frequency-domain linear backbone (spec §7; FITS with ``cutoff``).
 
     rFFT of the look-back (``L//2+1`` bins, the lowest ``cutoff`` kept), complex linear map to
@@ -539,24 +558,9 @@ class FrequencyLinearForecaster(nn.Module):
         y = torch.fft.irfft(out, n=self.L + self.H, dim=1) * ((self.L + self.H) / self.L)
         return y[:, -self.H:, :]
 
-    def forward(self, x: Tensor) -> Tensor:
-        squeeze = x.ndim == 2
-        if squeeze:
-            x = x[..., None]
-        if self.instance_norm:
-            m = x.mean(1, keepdim=True)
-            y = self.core(x - m) + m
-        else:
-            y = self.core(x)
-        return y[..., 0] if squeeze else y
-
-    def linear_weight(self) -> Tensor:
-        with torch.no_grad():
-            eye = torch.eye(self.L, dtype=self.weight_re.dtype)[:, :, None]  # (L batch, L, 1)
-            return self.core(eye)[..., 0].detach()
 
 
-class DLinearForecaster(nn.Module):
+class DLinearForecaster(_LinearBackbone):
     """DLinear baseline: moving-average trend (kernel 25, edge-replicated) + seasonal, two linear heads.
 
     Linear in ``x`` overall; :meth:`linear_weight` returns the equivalent ``(L, H)`` matrix.
@@ -585,21 +589,6 @@ class DLinearForecaster(nn.Module):
         season = x - trend
         return torch.einsum("blc,lh->bhc", trend, self.w_trend) + torch.einsum("blc,lh->bhc", season, self.w_season)
 
-    def forward(self, x: Tensor) -> Tensor:
-        squeeze = x.ndim == 2
-        if squeeze:
-            x = x[..., None]
-        if self.instance_norm:
-            m = x.mean(1, keepdim=True)
-            y = self.core(x - m) + m
-        else:
-            y = self.core(x)
-        return y[..., 0] if squeeze else y
-
-    def linear_weight(self) -> Tensor:
-        with torch.no_grad():
-            eye = torch.eye(self.L, dtype=self.w_trend.dtype)[:, :, None]
-            return self.core(eye)[..., 0].detach()
 
 
 # --------------------------------------------------------------------------------------------

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -236,6 +236,7 @@ class Alice(LowMemOptimizer):
     """
 
     method_name = "Alice"
+    config_class = AliceConfig
 
     def __init__(self, params: Any, lr: float = 0.02, betas: tuple[float, float, float] = (0.9, 0.9, 0.999),
                  alpha: float = 0.3, alpha_c: float = 0.4, update_interval: int = 200, rank: int = 256,
@@ -248,12 +249,6 @@ class Alice(LowMemOptimizer):
                         adamw_betas=tuple(adamw_betas) if isinstance(adamw_betas, list) else adamw_betas,
                         adamw_eps=adamw_eps)
         super().__init__(params, defaults, nonfinite=nonfinite, strict=strict)
-
-    @classmethod
-    def from_config(cls, params: Any, config: AliceConfig, **kwargs: Any) -> "Alice":
-        if not isinstance(config, AliceConfig):
-            raise TypeError(f"config must be an AliceConfig, got {type(config).__name__}")
-        return cls(params, **asdict(config), **kwargs)
 
     def _validate_method(self, group: dict[str, Any], index: int) -> None:
         where = f"param group {index}: "

@@ -35,7 +35,7 @@ changes shape between steps. A non-finite gradient skips that tensor's update an
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -141,6 +141,7 @@ class RACS(LowMemOptimizer):
     """
 
     method_name = "RACS"
+    config_class = RACSConfig
 
     def __init__(self, params: Any, lr: float = 1e-2, beta: float = 0.9, alpha: float = 0.05, gamma: float = 1.01,
                  eps: float = 1e-8, weight_decay: float = 0.0, normalize: bool = True,
@@ -151,12 +152,6 @@ class RACS(LowMemOptimizer):
                         adamw_betas=tuple(adamw_betas) if isinstance(adamw_betas, list) else adamw_betas,
                         adamw_eps=adamw_eps)
         super().__init__(params, defaults, nonfinite=nonfinite)
-
-    @classmethod
-    def from_config(cls, params: Any, config: RACSConfig, **kwargs: Any) -> "RACS":
-        if not isinstance(config, RACSConfig):
-            raise TypeError(f"config must be a RACSConfig, got {type(config).__name__}")
-        return cls(params, **asdict(config), **kwargs)
 
     def _validate_method(self, group: dict[str, Any], index: int) -> None:
         where = f"param group {index}: "

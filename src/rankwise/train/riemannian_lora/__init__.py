@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
@@ -51,7 +51,7 @@ from torch import nn
 from rankwise.core.errors import NumericalError, RankwiseError
 from rankwise.core.registry import register
 from rankwise.core.validate import check_bool, check_choice, check_number, check_positive, check_unit
-from rankwise.train.lowmem_base import adamw_step, check_betas, norm_growth_limit, racs_scale, racs_stats_step_
+from rankwise.train.lowmem_base import FromConfig, adamw_step, check_betas, norm_growth_limit, racs_scale, racs_stats_step_
 
 __all__ = [
     "AdamS",
@@ -330,7 +330,7 @@ class GradXCapture:
 # the optimizers
 
 
-class _LiftedOptimizer(torch.optim.Optimizer):
+class _LiftedOptimizer(FromConfig, torch.optim.Optimizer):
     """Shared machinery of AdamS and LRACS: pair groups, G_X capture, lift, Adam on other parameters.
 
     Param groups: one per LoRA pair (``kind="lora"``, ``params=[A, B]``, ``pair``: name, ``scale``) and
@@ -574,6 +574,7 @@ class AdamS(_LiftedOptimizer):
     """
 
     method_name = "AdamS"
+    config_class = AdamSConfig
 
     def __init__(self, params: nn.Module | Sequence[LoraPair], lr: float = 3e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, bias_correction: bool = True,
@@ -587,12 +588,6 @@ class AdamS(_LiftedOptimizer):
                         ridge=ridge, lift_dtype=lift_dtype, other_betas=check_betas("other_betas", other_betas, 2),
                         other_eps=check_number("other_eps", other_eps, 0.0))
         super().__init__(params, defaults, other_params, other_lr, other_weight_decay, nonfinite, capture)
-
-    @classmethod
-    def from_config(cls, params: Any, config: AdamSConfig, **kwargs: Any) -> "AdamS":
-        if not isinstance(config, AdamSConfig):
-            raise TypeError(f"config must be an AdamSConfig, got {type(config).__name__}")
-        return cls(params, **asdict(config), **kwargs)
 
     def _validate_group(self, g: dict[str, Any]) -> None:
         check_betas("betas", g["betas"], 2)
@@ -648,6 +643,7 @@ class LRACS(_LiftedOptimizer):
     """
 
     method_name = "LRACS"
+    config_class = LRACSConfig
 
     def __init__(self, params: nn.Module | Sequence[LoraPair], lr: float = 3e-2, beta: float = 0.9,
                  alpha: float = 0.05, gamma: float = 1.01, eps: float = 1e-8, limiter: bool = True,
@@ -660,12 +656,6 @@ class LRACS(_LiftedOptimizer):
                         ridge=ridge, lift_dtype=lift_dtype, other_betas=check_betas("other_betas", other_betas, 2),
                         other_eps=check_number("other_eps", other_eps, 0.0))
         super().__init__(params, defaults, other_params, other_lr, other_weight_decay, nonfinite, capture)
-
-    @classmethod
-    def from_config(cls, params: Any, config: LRACSConfig, **kwargs: Any) -> "LRACS":
-        if not isinstance(config, LRACSConfig):
-            raise TypeError(f"config must be an LRACSConfig, got {type(config).__name__}")
-        return cls(params, **asdict(config), **kwargs)
 
     def _validate_group(self, g: dict[str, Any]) -> None:
         check_unit("beta", g["beta"], high_open=True)
