@@ -71,7 +71,7 @@ def _data(seed: int, n_pairs: int, n_eval: int) -> tuple[list[str], list[str], l
     """``(calibration sentences, evaluation sentences, calibration pairs)``: the seed draws the pairs; the
     evaluation draw is fixed (``EVAL_SEED``), the same for every seed, so the original model's reference
     embeddings are computed once."""
-    from rankwise.compress.command import docstring_sentences, sentence_pairs
+    from rankwise.zoo.text import docstring_sentences, sentence_pairs
 
     pairs = sentence_pairs(docstring_sentences("calib"))
     if len(pairs) < n_pairs:
@@ -91,7 +91,7 @@ def _batches(tokenizer: Any, pairs: Sequence[tuple[str, str]]) -> list[dict[str,
     calibration tokens were padding; sorted: ~30%). The statistics sum over non-padding tokens, so only
     FWSVD's batch-squared Fisher sees the change: its in-batch negatives are pairs of similar length.
     """
-    from rankwise.compress.command import tokenize_batches
+    from rankwise.core.textfiles import tokenize_batches
 
     if not pairs:
         return []
@@ -159,7 +159,7 @@ def _claim4(base: nn.Module, tokenizer: Any, pairs: Sequence[tuple[str, str]], n
             ) -> dict[str, Any]:
     """64 calibration sentences: singular X^T X on the FFN-output layers; undamped Cholesky vs Swift-SVD."""
     from rankwise.compress import CompressConfig, calibrate, compress
-    from rankwise.compress.command import contrastive_loss
+    from rankwise.train.losses import contrastive_loss
     from rankwise.core.errors import NumericalError
     from rankwise.core.linalg import damped_cholesky
 
@@ -209,7 +209,8 @@ def run(mode: str, seeds: Sequence[int], out_dir: Path) -> ReproResult:
 def _run(mode: str, seeds: list[int], out_dir: Path) -> ReproResult:
     from rankwise import zoo
     from rankwise.compress import CompressConfig, calibrate, compress, resolve_targets
-    from rankwise.compress.command import contrastive_loss, mean_cosine
+    from rankwise.compress.job import mean_cosine
+    from rankwise.train.losses import contrastive_loss
 
     t_start = time.perf_counter()
     size = SIZES[mode]
