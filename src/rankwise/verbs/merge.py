@@ -29,9 +29,13 @@ from typing import List, Optional
 
 import typer
 
+from rankwise.merge import RULES, merge_methods
 from rankwise.merge.dirs import METHODS, MergeDirsResult, build_config, merge_dirs
 
 __all__ = ["METHODS", "MergeDirsResult", "build_config", "merge_dirs", "register"]
+
+#: the methods whose merge rule --rule may change (the others fix it: ties is TIES, ...)
+_FREE_RULE = [name for name, m in merge_methods().items() if "rule" not in m.fixed]
 
 
 def register(app: typer.Typer) -> None:
@@ -44,8 +48,8 @@ def register(app: typer.Typer) -> None:
         method: str = typer.Option("ctm", "--method", help=f"{', '.join(METHODS)}."),
         rank: int = typer.Option(16, "--rank", help="Rank r of the merged LoRA (>= 1)."),
         out: Path = typer.Option(..., "--out", help="Output PEFT LoRA directory."),
-        rule: Optional[str] = typer.Option(None, "--rule", help="Merge rule for ctm/mtc/knots/core: ta, mean, "
-                                           "ties, dare, dare_ties, iso_c."),
+        rule: Optional[str] = typer.Option(None, "--rule", help=f"Merge rule for {'/'.join(_FREE_RULE)}: "
+                                           f"{', '.join(RULES)}."),
         scale: Optional[float] = typer.Option(None, "--scale", help="Global scale λ (ctm default 0.75, others 1)."),
         density: Optional[float] = typer.Option(None, "--density", help="TIES: fraction kept per task, (0, 1]."),
         drop_rate: Optional[float] = typer.Option(None, "--drop-rate", help="DARE: drop probability, [0, 1)."),
