@@ -93,7 +93,7 @@ def test_baselines_validators_are_deprecated():
             baselines._check_unit("X.d", 0, True, False)
 
 
-def test_merge_modules_import_no_private_name_of_each_other():
+def test_merge_modules_import_no_private_name_of_each_other_and_no_other_family():
     root = pathlib.Path(merge_pkg.__file__).parent
     for path in root.rglob("*.py"):
         if path.name == "baselines.py":
@@ -102,3 +102,6 @@ def test_merge_modules_import_no_private_name_of_each_other():
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("rankwise.merge"):
                 assert not [a.name for a in node.names if a.name.startswith("_")], (path, node.module)
                 assert node.module != "rankwise.merge.baselines", path
+            if isinstance(node, ast.ImportFrom) and node.module:
+                family = node.module.split(".")[1] if node.module.startswith("rankwise.") else None
+                assert family in (None, "merge", "core"), (path, node.module)

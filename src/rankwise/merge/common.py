@@ -90,7 +90,7 @@ def check_adapters(adapters: Sequence[AdapterState], what: str = "merge") -> Mer
     for i, a in enumerate(adapters):
         if not isinstance(a, AdapterState):
             raise TypeError(f"{what}: adapter {i} is a {type(a).__name__}, expected an AdapterState "
-                            "(rankwise.adapt.lora.import_peft(dir) reads a PEFT directory)")
+                            "(rankwise.core.peft_format.import_peft(dir) reads a PEFT directory)")
         try:
             a.validate()
         except ValueError as e:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+from rankwise.core.peft_format import import_peft, write_adapter_dir
 from rankwise.core.validate import check_int
 from rankwise.merge.base import merge_methods, resolve_merge_method
 
@@ -62,8 +63,6 @@ def merge_dirs(dirs: Sequence[str | Path], method: str, rank: int, out: str | Pa
     ``options``: ``rule``, ``scale``, ``density``, ``drop_rate``, ``beta``, ``seed`` (see :func:`build_config`).
     Everything is validated before anything is written; ``out`` must not be one of the inputs.
     """
-    from rankwise.adapt.lora import import_peft, write_adapter_dir
-
     t0 = time.perf_counter()
     check_int("--rank", rank, 1)
     merger = resolve_merge_method(method)

@@ -29,7 +29,7 @@ memory O((m + n) R + T R²). ``rank(ΔW) <= r`` by construction.
 Usage::
 
     from rankwise.merge import CtMConfig, ctm_merge
-    from rankwise.adapt.lora import import_peft, write_adapter_dir
+    from rankwise.core.peft_format import import_peft, write_adapter_dir
     merged = ctm_merge([import_peft(d) for d in dirs], CtMConfig(rank=16, rule="ties"))
     write_adapter_dir(merged, "merged")      # PeftModel.from_pretrained(base, "merged") loads it
 """
