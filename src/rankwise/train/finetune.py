@@ -35,6 +35,7 @@ import torch
 from torch import nn
 
 from rankwise.core.errors import NumericalError
+from rankwise.core.validate import check_bool, check_choice, check_int, check_number, check_positive, check_unit
 
 __all__ = [
     "Batch",
@@ -58,20 +59,6 @@ OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 ExtraLoss = Callable[[nn.Module, "Batch", Any, int], torch.Tensor]
 SCHEDULES = ("constant", "linear")
 LENGTH_WINDOW = 16  # batches per length-sorted window with group_by_length
-
-
-def _check_number(name: str, value: Any, low: float, high: float = math.inf, *, low_open: bool = False,
-                   allow_none: bool = False, integer: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    ok_type = isinstance(value, int) if integer else isinstance(value, (int, float))
-    if isinstance(value, bool) or not ok_type or not math.isfinite(float(value)) \
-            or value < low or (low_open and value == low) or value > high:
-        what = "an int" if integer else "a finite number"
-        lo = f"> {low}" if low_open else f">= {low}"
-        hi = "" if high == math.inf else f" and <= {high}"
-        raise ValueError(f"FinetuneConfig.{name} must be {what} {lo}{hi}{' or None' if allow_none else ''}, "
-                         f"got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -114,28 +101,23 @@ class FinetuneConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        _check_number("lr", self.lr, 0.0, low_open=True)
-        _check_number("epochs", self.epochs, 0.0, low_open=True)
-        _check_number("steps", self.steps, 1, integer=True, allow_none=True)
-        _check_number("batch_size", self.batch_size, 1, integer=True)
-        _check_number("max_length", self.max_length, 2, integer=True)
-        _check_number("weight_decay", self.weight_decay, 0.0)
-        if (not isinstance(self.betas, (tuple, list)) or len(self.betas) != 2
-                or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in self.betas)):
+        check_positive("FinetuneConfig.lr", self.lr)
+        check_positive("FinetuneConfig.epochs", self.epochs)
+        check_int("FinetuneConfig.steps", self.steps, 1, allow_none=True)
+        check_int("FinetuneConfig.batch_size", self.batch_size, 1)
+        check_int("FinetuneConfig.max_length", self.max_length, 2)
+        check_number("FinetuneConfig.weight_decay", self.weight_decay, 0.0)
+        if not isinstance(self.betas, (tuple, list)) or len(self.betas) != 2:
             raise ValueError(f"FinetuneConfig.betas must be two numbers in [0, 1), got {self.betas!r}")
-        object.__setattr__(self, "betas", (float(self.betas[0]), float(self.betas[1])))
-        _check_number("eps", self.eps, 0.0, low_open=True)
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"FinetuneConfig.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
-        _check_number("warmup_ratio", self.warmup_ratio, 0.0, 1.0)
-        if self.warmup_ratio >= 1.0:
-            raise ValueError(f"FinetuneConfig.warmup_ratio must be in [0, 1), got {self.warmup_ratio!r}")
-        _check_number("grad_clip", self.grad_clip, 0.0, low_open=True, allow_none=True)
-        _check_number("eval_batch_size", self.eval_batch_size, 1, integer=True)
-        if not isinstance(self.group_by_length, bool):
-            raise ValueError(f"FinetuneConfig.group_by_length must be a bool, got {self.group_by_length!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise ValueError(f"FinetuneConfig.seed must be an int >= 0, got {self.seed!r}")
+        object.__setattr__(self, "betas", tuple(check_unit(f"FinetuneConfig.betas[{i}]", b, high_open=True)
+                                                for i, b in enumerate(self.betas)))
+        check_positive("FinetuneConfig.eps", self.eps)
+        check_choice("FinetuneConfig.schedule", self.schedule, SCHEDULES)
+        check_unit("FinetuneConfig.warmup_ratio", self.warmup_ratio, high_open=True)
+        check_positive("FinetuneConfig.grad_clip", self.grad_clip, allow_none=True)
+        check_int("FinetuneConfig.eval_batch_size", self.eval_batch_size, 1)
+        check_bool("FinetuneConfig.group_by_length", self.group_by_length)
+        check_int("FinetuneConfig.seed", self.seed, 0)
 
 
 @dataclass
