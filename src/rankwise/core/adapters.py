@@ -31,9 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 import re
-import warnings
 from dataclasses import dataclass, field as dc_field
 from pathlib import Path
 from typing import Any, Callable, ClassVar, Iterator, Mapping, Sequence, TypeVar
@@ -43,32 +41,16 @@ from torch import nn
 
 from rankwise.core import io
 from rankwise.core.calibration import default_loss  # noqa: F401 (its former home; re-exported)
+from rankwise.core.deprecation import deprecated_fields, deprecated_kwargs  # noqa: F401 (re-exported)
 from rankwise.core.errors import ArtifactError, NumericalError, RankwiseError, SelectionError
 from rankwise.core.select import Selector, available_names, select
 from rankwise.core.surgery import replace_module, transaction
 
 __all__ = [
-    "CONFIG_FILE",
-    "WEIGHTS_FILE",
-    "AdapterLayer",
-    "AdapterMethod",
-    "ArtifactContext",
-    "deprecated_fields",
-    "deprecated_kwargs",
-    "adapted_layers",
-    "adapter_names",
-    "all_or_nothing",
-    "delete_adapter",
-    "disable_adapters",
-    "enable_adapters",
-    "merge_all",
-    "require_adapter",
-    "set_active",
-    "sync_trainable",
-    "target_layers",
-    "unload",
-    "unmerge_all",
-    "validate_adapter_name",
+    "CONFIG_FILE", "WEIGHTS_FILE", "AdapterLayer", "AdapterMethod", "ArtifactContext", "LinearAdapterLayer",
+    "deprecated_fields", "deprecated_kwargs", "adapted_layers", "adapter_names", "all_or_nothing",
+    "delete_adapter", "disable_adapters", "enable_adapters", "merge_all", "require_adapter", "set_active",
+    "sync_trainable", "target_layers", "unload", "unmerge_all", "validate_adapter_name", "wrap_layer",
 ]
 
 _NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_\-]*$")
@@ -336,6 +318,30 @@ L = TypeVar("L", bound=AdapterLayer)
 # model-level operations
 # ------------------------------------------------------------------------------------------------
 
+class LinearAdapterLayer(AdapterLayer):
+    """An :class:`AdapterLayer` that wraps an ``nn.Linear`` (LoRA, CDKA, DAF, E²LoRA).
+
+    The constructor checks the base layer's type, copies ``in_features`` / ``out_features`` and creates
+    every per-adapter container of :attr:`adapter_fields` empty, in that order: an ``nn.ModuleDict``
+    for the names in :attr:`module_fields`, a ``dict`` for the others; the wrapper then takes the
+    base layer's train/eval mode.
+    """
+
+    #: the adapter_fields that hold modules (an ``nn.ModuleDict`` each)
+    module_fields: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, base_layer: nn.Linear, layer_name: str = "") -> None:
+        if not isinstance(base_layer, nn.Linear):
+            raise TypeError(f"{type(self).__name__} wraps nn.Linear, got {type(base_layer).__name__}"
+                            f"{' at ' + layer_name if layer_name else ''}")
+        super().__init__(base_layer, layer_name)
+        self.in_features, self.out_features = base_layer.in_features, base_layer.out_features
+        for field in self.adapter_fields:
+            if field != "adapter_config":
+                setattr(self, field, nn.ModuleDict() if field in self.module_fields else {})
+        self.train(base_layer.training)
+
+
 def _shown(names: Sequence[str]) -> str:
     return f"{list(names[:3])}{' ...' if len(names) > 3 else ''}"
 
@@ -425,6 +431,16 @@ def target_layers(model: nn.Module, target: Selector, cls: type[AdapterLayer], *
         raise SelectionError(f"target {target!r} matched no Linear layer. Available Linear layers: {shown or 'none'}")
     order = {n: i for i, (n, _) in enumerate(model.named_modules())}
     return sorted(out.items(), key=lambda kv: order[kv[0]])
+
+
+def wrap_layer(model: nn.Module, name: str, module: nn.Module, cls: type[L]) -> L:
+    """``module`` (the submodule ``name`` of ``model``) as a ``cls`` wrapper: itself if it already is one,
+    else a new wrapper that replaces it in ``model``."""
+    if isinstance(module, cls):
+        return module
+    layer = cls(module, layer_name=name)
+    replace_module(model, name, layer)
+    return layer
 
 
 def require_adapter(model: nn.Module, name: str, cls: type[L]) -> list[tuple[str, L]]:
@@ -554,56 +570,6 @@ def unload(model: nn.Module, cls: type[AdapterLayer], merge_first: bool = True) 
 
 
 # ------------------------------------------------------------------------------------------------
-# deprecated names (one release)
-# ------------------------------------------------------------------------------------------------
-
-def _warn_renamed(owner: str, old: str, new: str, stacklevel: int = 4) -> None:
-    warnings.warn(f"{owner}: {old!r} is deprecated, use {new!r} (the old name goes away in the next release)",
-                  DeprecationWarning, stacklevel=stacklevel)
-
-
-def _rename(owner: str, kwargs: dict[str, Any], renamed: Mapping[str, str]) -> dict[str, Any]:
-    for old, new in renamed.items():
-        if old in kwargs:
-            if new in kwargs:
-                raise TypeError(f"{owner} got both {old!r} (deprecated) and {new!r}")
-            _warn_renamed(owner, old, new)
-            kwargs[new] = kwargs.pop(old)
-    return kwargs
-
-
-def deprecated_kwargs(**renamed: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Decorator: accept old keyword names ``old=new`` with a DeprecationWarning (both given: TypeError)."""
-    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(fn)
-        def inner(*args: Any, **kwargs: Any) -> Any:
-            return fn(*args, **_rename(f"{fn.__name__}()", kwargs, renamed))
-        return inner
-    return wrap
-
-
-def deprecated_fields(**renamed: str) -> Callable[[type], type]:
-    """Class decorator for a (frozen) dataclass config: old field names ``old=new`` stay accepted by the
-    constructor and readable as attributes for one release, each with a DeprecationWarning."""
-    def wrap(cls: type) -> type:
-        init = cls.__init__
-
-        @functools.wraps(init)
-        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
-            init(self, *args, **_rename(cls.__name__, kwargs, renamed))
-
-        cls.__init__ = __init__  # type: ignore[misc]
-        for old, new in renamed.items():
-            def getter(self: Any, _old: str = old, _new: str = new) -> Any:
-                _warn_renamed(cls.__name__, _old, _new, stacklevel=3)
-                return getattr(self, _new)
-            setattr(cls, old, property(getter, doc=f"Deprecated alias of ``{new}``."))
-        cls.deprecated_fields = dict(getattr(cls, "deprecated_fields", {}), **renamed)  # type: ignore[attr-defined]
-        return cls
-    return wrap
-
-
-# ------------------------------------------------------------------------------------------------
 # artefact directories and one adapter family's model-level API
 # ------------------------------------------------------------------------------------------------
 
@@ -669,6 +635,13 @@ class AdapterMethod:
         return f"AdapterMethod({self.layer_cls.__name__}, {self.kind!r})"
 
     # -- queries ------------------------------------------------------------------------------
+    def public_api(self) -> tuple[Callable[..., Any], ...]:
+        """What an adapter package exports, in this order (unpack it into the package's names): ``layers,
+        adapter_names, set_active, enable, disable, merge, unmerge, delete_adapter, unload, save_adapter,
+        load_adapter``."""
+        return (self.layers, self.adapter_names, self.set_active, self.enable, self.disable, self.merge,
+                self.unmerge, self.delete_adapter, self.unload, self.save_adapter, self.load_adapter)
+
     def layers(self, model: nn.Module) -> list[tuple[str, Any]]:
         """``(qualified name, layer)`` of every layer of this family in ``model``, in model order."""
         return adapted_layers(model, self.layer_cls)
@@ -685,6 +658,17 @@ class AdapterMethod:
 
     def sync_trainable(self, model: nn.Module, freeze_base: bool) -> None:
         sync_trainable(model, self.layer_cls, freeze_base)
+
+    def deactivate_without(self, model: nn.Module, name: str) -> None:
+        """Layers that lack adapter ``name`` run no adapter (after ``adapt`` added ``name`` to some layers)."""
+        for _, layer in self.layers(model):
+            if name not in getattr(layer, layer.adapter_store):
+                layer.active_adapters = []
+
+    def finish_adapt(self, model: nn.Module, name: str) -> None:
+        """The end of ``adapt``: :meth:`deactivate_without` ``name``, then freeze the base and train the adapters."""
+        self.deactivate_without(model, name)
+        self.sync_trainable(model, freeze_base=True)
 
     def target_layers(self, model: nn.Module, target: Selector, **kwargs: Any) -> list[tuple[str, nn.Module]]:
         return target_layers(model, target, self.layer_cls, **kwargs)
@@ -838,12 +822,7 @@ class AdapterMethod:
 
     def wrap(self, model: nn.Module, module: str) -> Any:
         """The family's wrapper at ``module`` (created and swapped in if the module is still plain)."""
-        mod = model.get_submodule(module)
-        if isinstance(mod, self.layer_cls):
-            return mod
-        layer = self.layer_cls(mod, layer_name=module)
-        replace_module(model, module, layer)
-        return layer
+        return wrap_layer(model, module, model.get_submodule(module), self.layer_cls)
 
     def load_adapter(self, model: nn.Module, directory: str | Path, name: str = "default", *,
                      check_base: bool = True) -> nn.Module:

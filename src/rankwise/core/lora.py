@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from rankwise.core import adapters, io
-from rankwise.core.adapters import AdapterLayer, validate_adapter_name
+from rankwise.core.adapters import LinearAdapterLayer, validate_adapter_name, wrap_layer
 from rankwise.core.errors import ArtifactError, RankwiseError
 from rankwise.core.select import Selector
 from rankwise.core.surgery import replace_module
@@ -82,7 +82,7 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-class LoraLinear(AdapterLayer):
+class LoraLinear(LinearAdapterLayer):
     """An ``nn.Linear`` with named LoRA adapters: ``y = base(x) + sum_active s_k B_k A_k dropout_k(x)``.
 
     Shapes: ``x (..., in_features) -> y (..., out_features)``; ``lora_A[k].weight (r_k, in)``,
@@ -99,18 +99,8 @@ class LoraLinear(AdapterLayer):
     adapter_label = "adapter"
     family = "LoRA"
 
-    def __init__(self, base_layer: nn.Linear, layer_name: str = "") -> None:
-        if not isinstance(base_layer, nn.Linear):
-            raise TypeError(f"LoraLinear wraps nn.Linear, got {type(base_layer).__name__}"
-                            f"{' at ' + layer_name if layer_name else ''}")
-        super().__init__(base_layer, layer_name)
-        self.in_features = base_layer.in_features
-        self.out_features = base_layer.out_features
-        self.lora_A = nn.ModuleDict()
-        self.lora_B = nn.ModuleDict()
-        self.lora_dropout = nn.ModuleDict()
-        self.scaling: dict[str, float] = {}
-        self.train(base_layer.training)  # a wrapper inherits train/eval mode from the layer it wraps
+    module_fields = ("lora_A", "lora_B", "lora_dropout")
+    scaling: dict[str, float]
 
     def rank(self, name: str) -> int:
         self._require(name)
@@ -251,6 +241,13 @@ def lora_layers(model: nn.Module) -> list[tuple[str, LoraLinear]]:
     return adapters.adapted_layers(model, LoraLinear)
 
 
+def _deactivate_without(model: nn.Module, name: str) -> None:
+    """The LoRA layers that lack adapter ``name`` run none (refused on a layer with merged adapters)."""
+    for _, layer in lora_layers(model):
+        if name not in layer.lora_A:
+            layer.set_active([])
+
+
 def adapter_names(model: nn.Module) -> list[str]:
     """Names of the adapters present in ``model`` (in order of first appearance)."""
     return adapters.adapter_names(model, LoraLinear)
@@ -380,17 +377,13 @@ def add_lora(
 
     with _all_or_nothing(model):
         for lname, mod, r, a in plan:
-            layer = mod if isinstance(mod, LoraLinear) else LoraLinear(mod, layer_name=lname)
-            if layer is not mod:
-                replace_module(model, lname, layer)
+            layer = wrap_layer(model, lname, mod, LoraLinear)
             layer.add_adapter(name, r, a, use_rslora=use_rslora, dropout=float(dropout), init=init,
                               generator=generator, dtype=dtype)
             if activate:
                 layer.set_active(name)
         if activate:
-            for _, layer in lora_layers(model):
-                if name not in layer.lora_A:
-                    layer.set_active([])
+            _deactivate_without(model, name)
         _sync_trainable(model, freeze_base)
     return [n for n, *_ in plan]
 
@@ -641,18 +634,14 @@ def set_state(model: nn.Module, state: AdapterState, name: str = "default", *, c
             if lname not in found:
                 layer.delete_adapter(name)
         for m, mod in found.items():
-            layer = mod if isinstance(mod, LoraLinear) else LoraLinear(mod, layer_name=m)
-            if layer is not mod:
-                replace_module(model, m, layer)
+            layer = wrap_layer(model, m, mod, LoraLinear)
             f = state.factors[m]
             cfg = {k: state.config[k] for k in ("method", "alpha", "use_rslora", "init") if k in state.config}
             layer.set_factors(name, f["lora_A"], f["lora_B"], state.scaling[m], dropout=dropout, config=cfg)
             if activate:
                 layer.set_active(name)
         if activate:
-            for _, layer in lora_layers(model):
-                if name not in layer.lora_A:
-                    layer.set_active([])
+            _deactivate_without(model, name)
         # drop wrappers left without any adapter
         for lname, layer in existing:
             if lname not in found and not layer.adapters:

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from rankwise.adapt.cdka.functional import kron_apply, kron_delta
-from rankwise.core.adapters import AdapterLayer, ArtifactContext, validate_adapter_name
+from rankwise.core.adapters import AdapterLayer, ArtifactContext, LinearAdapterLayer, validate_adapter_name  # noqa: F401 (AdapterLayer: re-exported)
 from rankwise.core.errors import RankwiseError
 from rankwise.core.validate import check_number
 
@@ -37,7 +37,7 @@ def _owned(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.detach().to(device).clone(memory_format=torch.contiguous_format)
 
 
-class CDKALinear(AdapterLayer):
+class CDKALinear(LinearAdapterLayer):
     """An ``nn.Linear`` with named CDKA adapters: ``y = base(x) + sum_active s_k K_k(dropout(x))``.
 
     ``K(x) = x (sum B_k ⊗ A_k)^T - x (sum B0_k ⊗ A0_k)^T`` (the second term only with a gradient
@@ -51,17 +51,8 @@ class CDKALinear(AdapterLayer):
     adapter_label = "CDKA adapter"
     family = "CDKA"
 
-    def __init__(self, base_layer: nn.Linear, layer_name: str = "") -> None:
-        if not isinstance(base_layer, nn.Linear):
-            raise TypeError(f"CDKALinear wraps nn.Linear, got {type(base_layer).__name__}"
-                            f"{' at ' + layer_name if layer_name else ''}")
-        super().__init__(base_layer, layer_name)
-        self.in_features = base_layer.in_features
-        self.out_features = base_layer.out_features
-        self.cdka = nn.ModuleDict()
-        self.cdka_dropout = nn.ModuleDict()
-        self.scaling: dict[str, float] = {}
-        self.train(base_layer.training)
+    module_fields = ("cdka", "cdka_dropout")
+    scaling: dict[str, float]
 
     def shape_of(self, name: str) -> tuple[int, int, int]:
         """``(r1, r2, r)`` of adapter ``name``."""

@@ -20,12 +20,12 @@ from rankwise.adapt.cdka.functional import (
     num_parameters,
 )
 from rankwise.adapt.cdka.layer import CDKALinear
-from rankwise.core.adapters import AdapterMethod
+from rankwise.core.adapters import AdapterMethod, wrap_layer
 from rankwise.core.calibration import default_loss, given_gradients, gradient_pass, mean_gradients  # noqa: F401 (default_loss re-exported)
 from rankwise.core.errors import RankwiseError
 from rankwise.core.registry import register
 from rankwise.core.select import Selector
-from rankwise.core.surgery import replace_module
+from rankwise.core.surgery import replace_module  # noqa: F401 (re-exported by the package)
 
 
 class _CDKAMethod(AdapterMethod):
@@ -36,17 +36,8 @@ class _CDKAMethod(AdapterMethod):
 #: CDKA's model-level adapter API (set_active, merge, save_adapter, load_adapter, ...).
 CDKA = _CDKAMethod(CDKALinear, "rankwise.cdka", default_lr=3e-3)
 
-cdka_layers = CDKA.layers
-adapter_names = CDKA.adapter_names
-set_active = CDKA.set_active
-enable_adapters = CDKA.enable
-disable_adapters = CDKA.disable
-merge = CDKA.merge
-unmerge = CDKA.unmerge
-delete_adapter = CDKA.delete_adapter
-unload = CDKA.unload
-save_adapter = CDKA.save_adapter
-load_adapter = CDKA.load_adapter
+(cdka_layers, adapter_names, set_active, enable_adapters, disable_adapters, merge, unmerge, delete_adapter, unload,
+ save_adapter, load_adapter) = CDKA.public_api()
 
 
 def _target_layers(model: nn.Module, target: Selector) -> list[tuple[str, nn.Module]]:
@@ -149,15 +140,10 @@ def adapt(model: nn.Module, config: CDKAConfig | None = None, target: Selector =
 
     with CDKA.all_or_nothing(model):
         for lname, mod, B, A, B0, A0, s, cfg in plan:
-            layer = mod if isinstance(mod, CDKALinear) else CDKALinear(mod, layer_name=lname)
-            if layer is not mod:
-                replace_module(model, lname, layer)
+            layer = wrap_layer(model, lname, mod, CDKALinear)
             layer.set_components(name, B, A, s, B0=B0, A0=A0, dropout=config.dropout, config=cfg)
             layer.set_active(name)
-        for _, layer in cdka_layers(model):
-            if name not in layer.cdka:
-                layer.active_adapters = []
-        CDKA.sync_trainable(model, freeze_base=True)
+        CDKA.finish_adapt(model, name)
     return model
 
 

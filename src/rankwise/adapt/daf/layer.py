@@ -9,7 +9,7 @@ from torch import nn
 
 from rankwise.adapt.daf.config import ROLES
 from rankwise.adapt.daf.functional import unit_cost
-from rankwise.core.adapters import AdapterLayer, ArtifactContext, validate_adapter_name
+from rankwise.core.adapters import AdapterLayer, ArtifactContext, LinearAdapterLayer, validate_adapter_name  # noqa: F401 (AdapterLayer: re-exported)
 from rankwise.core.errors import RankwiseError
 from rankwise.core.validate import check_number
 
@@ -27,7 +27,7 @@ class _Unit(nn.Module):
         self.B = nn.Parameter(B.contiguous())
 
 
-class DAFLinear(AdapterLayer):
+class DAFLinear(LinearAdapterLayer):
     """An ``nn.Linear`` that is a DAF candidate of one or more named adapters.
 
     ``y = base(x) + Σ_{active adapters with a unit} s · B A dropout(x)``; shapes ``x (..., d_in) -> y (..., d_out)``.
@@ -42,19 +42,10 @@ class DAFLinear(AdapterLayer):
     adapter_label = "DAF adapter"
     family = "DAF"
 
-    def __init__(self, base_layer: nn.Linear, layer_name: str = "") -> None:
-        if not isinstance(base_layer, nn.Linear):
-            raise TypeError(f"DAFLinear wraps nn.Linear, got {type(base_layer).__name__}"
-                            f"{' at ' + layer_name if layer_name else ''}")
-        super().__init__(base_layer, layer_name)
-        self.in_features = base_layer.in_features
-        self.out_features = base_layer.out_features
-        self.daf = nn.ModuleDict()
-        self.daf_dropout = nn.ModuleDict()
-        self.role: dict[str, str] = {}
-        self.score: dict[str, float | None] = {}
-        self.scaling: dict[str, float] = {}
-        self.train(base_layer.training)
+    module_fields = ("daf", "daf_dropout")
+    role: dict[str, str]
+    score: dict[str, float | None]
+    scaling: dict[str, float]
 
     def cost(self, rank: int) -> int:
         return unit_cost(self.in_features, self.out_features, rank)

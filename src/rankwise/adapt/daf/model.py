@@ -14,11 +14,11 @@ from rankwise.adapt.daf.config import DAFConfig, LossFn, _pos_int, renamed_keys
 from rankwise.adapt.daf.controller import DAFController, DAFRound
 from rankwise.adapt.daf.functional import allocate, resolve_budget, unit_cost
 from rankwise.adapt.daf.layer import DAFLinear
-from rankwise.core.adapters import AdapterMethod, deprecated_kwargs
+from rankwise.core.adapters import AdapterMethod, deprecated_kwargs, wrap_layer
 from rankwise.core.errors import ArtifactError, NumericalError, SelectionError
 from rankwise.core.registry import register
 from rankwise.core.select import Selector
-from rankwise.core.surgery import replace_module
+from rankwise.core.surgery import replace_module  # noqa: F401 (re-exported by the package)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -61,17 +61,8 @@ class _DAFMethod(AdapterMethod):
 #: DAF's model-level adapter API (set_active, merge, save_adapter, load_adapter, ...).
 DAF = _DAFMethod(DAFLinear, "rankwise.daf", default_lr=3e-4)
 
-daf_layers = DAF.layers
-adapter_names = DAF.adapter_names
-set_active = DAF.set_active
-enable_adapters = DAF.enable
-disable_adapters = DAF.disable
-merge = DAF.merge
-unmerge = DAF.unmerge
-delete_adapter = DAF.delete_adapter
-unload = DAF.unload
-save_adapter = DAF.save_adapter
-load_adapter = DAF.load_adapter
+(daf_layers, adapter_names, set_active, enable_adapters, disable_adapters, merge, unmerge, delete_adapter, unload,
+ save_adapter, load_adapter) = DAF.public_api()
 _layers_of = DAF.require_adapter
 
 
@@ -145,9 +136,7 @@ def adapt(model: nn.Module, config: DAFConfig | None = None, target: Selector = 
     gen = torch.Generator().manual_seed(config.seed)
     with DAF.all_or_nothing(model):
         for lname, mod in hits:
-            layer = mod if isinstance(mod, DAFLinear) else DAFLinear(mod, layer_name=lname)
-            if layer is not mod:
-                replace_module(model, lname, layer)
+            layer = wrap_layer(model, lname, mod, DAFLinear)
             layer.add_candidate(name, config.scaling, config.dropout, meta)
             if scores is not None:
                 layer.score[name] = scores[lname]

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from rankwise.adapt.e2lora.plan import E2LoRAPlan
-from rankwise.core.adapters import AdapterLayer, ArtifactContext, validate_adapter_name
+from rankwise.core.adapters import AdapterLayer, ArtifactContext, LinearAdapterLayer, validate_adapter_name  # noqa: F401 (AdapterLayer: re-exported)
 from rankwise.core.errors import RankwiseError
 from rankwise.core.validate import check_number
 
@@ -25,7 +25,7 @@ class _Factor(nn.Module):
         self.weight = nn.Parameter(weight)
 
 
-class E2LoRALinear(AdapterLayer):
+class E2LoRALinear(LinearAdapterLayer):
     """A Linear layer with named E²LoRA adapters: ``y = base(x) + sum_active s B A[:r] dropout(x)``.
 
     Per adapter ``name``: ``e2lora_A[name].weight (r_A, in)`` with ``r_A >= r`` (shared within an interval,
@@ -38,19 +38,10 @@ class E2LoRALinear(AdapterLayer):
     adapter_label = "E²LoRA adapter"
     family = "E²LoRA"
 
-    def __init__(self, base_layer: nn.Linear, layer_name: str = "") -> None:
-        if not isinstance(base_layer, nn.Linear):
-            raise TypeError(f"E2LoRALinear wraps nn.Linear, got {type(base_layer).__name__}"
-                            f"{' at ' + layer_name if layer_name else ''}")
-        super().__init__(base_layer, layer_name)
-        self.in_features, self.out_features = base_layer.in_features, base_layer.out_features
-        self.e2lora_A = nn.ModuleDict()
-        self.e2lora_B = nn.ModuleDict()
-        self.e2lora_dropout = nn.ModuleDict()
-        self.rank: dict[str, int] = {}
-        self.scaling: dict[str, float] = {}
-        self.plans: dict[str, E2LoRAPlan] = {}
-        self.train(base_layer.training)
+    module_fields = ("e2lora_A", "e2lora_B", "e2lora_dropout")
+    rank: dict[str, int]
+    scaling: dict[str, float]
+    plans: dict[str, E2LoRAPlan]
 
     def add_adapter(self, name: str, A: _Factor, B: _Factor, rank: int, scaling: float, *, dropout: float = 0.0,
                     config: Mapping[str, Any] | None = None, plan: E2LoRAPlan | None = None) -> None:

@@ -15,12 +15,12 @@ from rankwise.adapt.e2lora.config import DEFAULT_DEPTH_REGEX, E2LoRAConfig, Loss
 from rankwise.adapt.e2lora.functional import adaptive_thresholds, allocate_ranks, partition, similarity_matrix
 from rankwise.adapt.e2lora.layer import E2LoRALinear, _Factor
 from rankwise.adapt.e2lora.plan import E2LoRAPlan, TypePlan
-from rankwise.core.adapters import AdapterMethod
+from rankwise.core.adapters import AdapterMethod, wrap_layer
 from rankwise.core.calibration import default_loss, given_gradients, gradient_pass, mean_gradients  # noqa: F401 (default_loss re-exported)
 from rankwise.core.errors import NumericalError
 from rankwise.core.registry import register
 from rankwise.core.select import Selector
-from rankwise.core.surgery import replace_module
+from rankwise.core.surgery import replace_module  # noqa: F401 (re-exported by the package)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -60,17 +60,8 @@ class _E2LoRAMethod(AdapterMethod):
 #: E²LoRA's model-level adapter API (set_active, merge, save_adapter, load_adapter, ...).
 E2LORA = _E2LoRAMethod(E2LoRALinear, "rankwise.e2lora", default_lr=1e-3)
 
-e2lora_layers = E2LORA.layers
-adapter_names = E2LORA.adapter_names
-set_active = E2LORA.set_active
-enable_adapters = E2LORA.enable
-disable_adapters = E2LORA.disable
-merge = E2LORA.merge
-unmerge = E2LORA.unmerge
-delete_adapter = E2LORA.delete_adapter
-unload = E2LORA.unload
-save_adapter = E2LORA.save_adapter
-load_adapter = E2LORA.load_adapter
+(e2lora_layers, adapter_names, set_active, enable_adapters, disable_adapters, merge, unmerge, delete_adapter, unload,
+ save_adapter, load_adapter) = E2LORA.public_api()
 _require_adapter = E2LORA.require_adapter
 
 
@@ -335,16 +326,11 @@ def _install(model: nn.Module, plan: E2LoRAPlan, built: Sequence[tuple[str, _Fac
     with E2LORA.all_or_nothing(model):
         for lname, A, B, r, cfg in built:
             mod = mods[lname]
-            layer = mod if isinstance(mod, E2LoRALinear) else E2LoRALinear(mod, layer_name=lname)
-            if layer is not mod:
-                replace_module(model, lname, layer)
+            layer = wrap_layer(model, lname, mod, E2LoRALinear)
             layer.add_adapter(name, A, B, r, alpha / r, dropout=dropout,
                               config=dict(cfg, method="e2lora", alpha=alpha), plan=plan)
             layer.set_active(name)
-        for _, layer in e2lora_layers(model):
-            if name not in layer.adapters:
-                layer.active_adapters = []
-        E2LORA.sync_trainable(model, freeze_base=True)
+        E2LORA.finish_adapt(model, name)
 
 
 def adapt(model: nn.Module, config: E2LoRAConfig | None = None, target: Selector = None, name: str = "default", *,

@@ -15,13 +15,13 @@ from torch import nn
 from rankwise.adapt.lora_mixer.config import ExpertSource, LoRAMixerConfig, STAGES, _QKV
 from rankwise.adapt.lora_mixer.functional import rsl_terms
 from rankwise.adapt.lora_mixer.layer import LoRAMixerLinear, _Mixer
-from rankwise.core.adapters import AdapterMethod
+from rankwise.core.adapters import AdapterMethod, wrap_layer
 from rankwise.core.errors import NumericalError, RankwiseError
 from rankwise.core.lora import AdapterState
 from rankwise.core.peft_format import import_peft
 from rankwise.core.registry import register
 from rankwise.core.select import Selector
-from rankwise.core.surgery import replace_module
+from rankwise.core.surgery import replace_module  # noqa: F401 (re-exported by the package)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -75,17 +75,8 @@ _NO_MERGE = ("LoRA-Mixer adapters cannot be merged into the base weights: each t
 #: LoRA-Mixer's model-level adapter API (set_active, save_adapter, load_adapter, ...; merging is refused).
 LORA_MIXER = _LoRAMixerMethod(LoRAMixerLinear, "rankwise.lora_mixer", no_merge=_NO_MERGE)
 
-mixer_layers = LORA_MIXER.layers
-adapter_names = LORA_MIXER.adapter_names
-set_active = LORA_MIXER.set_active
-enable_adapters = LORA_MIXER.enable
-disable_adapters = LORA_MIXER.disable
-merge = LORA_MIXER.merge
-unmerge = LORA_MIXER.unmerge
-delete_adapter = LORA_MIXER.delete_adapter
-unload = LORA_MIXER.unload
-save_adapter = LORA_MIXER.save_adapter
-load_adapter = LORA_MIXER.load_adapter
+(mixer_layers, adapter_names, set_active, enable_adapters, disable_adapters, merge, unmerge, delete_adapter, unload,
+ save_adapter, load_adapter) = LORA_MIXER.public_api()
 
 
 def _target_layers(model: nn.Module, target: Selector) -> list[tuple[str, nn.Module]]:
@@ -162,9 +153,7 @@ def adapt(model: nn.Module, config: LoRAMixerConfig | None = None, target: Selec
     shared: dict[str, _Mixer] = {}
     with LORA_MIXER.all_or_nothing(model):
         for lname, mod in hits:
-            layer = mod if isinstance(mod, LoRAMixerLinear) else LoRAMixerLinear(mod, layer_name=lname)
-            if layer is not mod:
-                replace_module(model, lname, layer)
+            layer = wrap_layer(model, lname, mod, LoRAMixerLinear)
             b = layer.base_layer
             if loaded:
                 ranks = [s.rank(lname) for s, _ in loaded]
@@ -191,9 +180,7 @@ def adapt(model: nn.Module, config: LoRAMixerConfig | None = None, target: Selec
             layer.adapter_config[name] = dict(record, ranks=ranks, scalings=scalings, router_group=group,
                                               sources=[src for _, src in loaded] or None)
             layer.active_adapters = [name]
-        for _, layer in mixer_layers(model):
-            if name not in layer.mixer:
-                layer.active_adapters = []
+        LORA_MIXER.deactivate_without(model, name)
         _sync_trainable(model, freeze_base=True)
     return model
 

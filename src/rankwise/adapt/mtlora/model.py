@@ -46,17 +46,8 @@ _NO_MERGE = ("mtLoRA adapters cannot be merged into the base weights: the expert
 #: mtLoRA's model-level adapter API (set_active, save_adapter, load_adapter, ...; merging is refused).
 MTLORA = _MtLoRAMethod(MtLoRALinear, "rankwise.mtlora", no_merge=_NO_MERGE)
 
-mtlora_layers = MTLORA.layers
-adapter_names = MTLORA.adapter_names
-set_active = MTLORA.set_active
-enable_adapters = MTLORA.enable
-disable_adapters = MTLORA.disable
-merge = MTLORA.merge
-unmerge = MTLORA.unmerge
-delete_adapter = MTLORA.delete_adapter
-unload = MTLORA.unload
-save_adapter = MTLORA.save_adapter
-load_adapter = MTLORA.load_adapter
+(mtlora_layers, adapter_names, set_active, enable_adapters, disable_adapters, merge, unmerge, delete_adapter, unload,
+ save_adapter, load_adapter) = MTLORA.public_api()
 
 
 def _prune(model: nn.Module) -> None:
@@ -166,10 +157,7 @@ def adapt(model: nn.Module, config: MtLoRAConfig | None = None, target: Selector
             _install(model, name, tap, out, d_in, d_out, gs, config.rank, config.num_experts,
                      config.alpha / config.rank, config.dropout, gen, base_out.weight.dtype, base_out.weight.device,
                      _config_record(config, gs))
-        for _, layer in mtlora_layers(model):
-            if name not in layer.mtlora:
-                layer.active_adapters = []
-        MTLORA.sync_trainable(model, freeze_base=True)
+        MTLORA.finish_adapt(model, name)
     return model
 
 

@@ -12,10 +12,10 @@ from torch import nn
 from rankwise.adapt.psoft.config import PSOFTConfig, _UNSUPPORTED
 from rankwise.adapt.psoft.functional import principal_factors
 from rankwise.adapt.psoft.layer import PSOFTLinear, _is_conv1d
-from rankwise.core.adapters import AdapterMethod
+from rankwise.core.adapters import AdapterMethod, wrap_layer
 from rankwise.core.registry import register
 from rankwise.core.select import Selector
-from rankwise.core.surgery import replace_module
+from rankwise.core.surgery import replace_module  # noqa: F401 (re-exported by the package)
 
 
 class _PSOFTMethod(AdapterMethod):
@@ -25,17 +25,8 @@ class _PSOFTMethod(AdapterMethod):
 #: PSOFT's model-level adapter API (set_active, merge, save_adapter, load_adapter, ...).
 PSOFT = _PSOFTMethod(PSOFTLinear, "rankwise.psoft", default_lr=1e-2)
 
-psoft_layers = PSOFT.layers
-adapter_names = PSOFT.adapter_names
-set_active = PSOFT.set_active
-enable_adapters = PSOFT.enable
-disable_adapters = PSOFT.disable
-merge = PSOFT.merge
-unmerge = PSOFT.unmerge
-delete_adapter = PSOFT.delete_adapter
-unload = PSOFT.unload
-save_adapter = PSOFT.save_adapter
-load_adapter = PSOFT.load_adapter
+(psoft_layers, adapter_names, set_active, enable_adapters, disable_adapters, merge, unmerge, delete_adapter, unload,
+ save_adapter, load_adapter) = PSOFT.public_api()
 
 
 def _base_of(mod: nn.Module) -> nn.Module:
@@ -92,18 +83,13 @@ def adapt(model: nn.Module, config: PSOFTConfig | None = None, target: Selector 
         plan.append((lname, mod, A.to(dtype), B.to(dtype)))
     with PSOFT.all_or_nothing(model):
         for lname, mod, A, B in plan:
-            layer = mod if isinstance(mod, PSOFTLinear) else PSOFTLinear(mod, layer_name=lname)
-            if layer is not mod:
-                replace_module(model, lname, layer)
+            layer = wrap_layer(model, lname, mod, PSOFTLinear)
             layer.add_adapter(name, A, B, orth=config.orth, train_alpha=config.train_alpha,
                               train_beta=config.train_beta, cayley_mode=config.cayley, terms=config.neumann_terms,
                               eps=config.neumann_eps, dropout=config.dropout, config={"method": "psoft",
                                                               "singular_values_on": config.singular_values_on})
             layer.set_active(name)
-        for _, layer in psoft_layers(model):
-            if name not in layer.psoft:
-                layer.active_adapters = []
-        PSOFT.sync_trainable(model, freeze_base=True)
+        PSOFT.finish_adapt(model, name)
     return model
 
 
