@@ -28,6 +28,9 @@ __all__ = [
     "check_choice",
     "check_bool",
     "check_str",
+    "check_patterns",
+    "is_finite_number",
+    "is_pos_int",
 ]
 
 
@@ -138,3 +141,25 @@ def check_str(field: str, value: Any, *, allow_empty: bool = False, allow_none: 
         raise _fail(field, "a non-empty string" if not allow_empty else "a string", value, allow_none,
                     wrong_type=not isinstance(value, str))
     return value
+
+
+def check_patterns(field: str, value: Any) -> tuple[str, ...]:
+    """A non-empty tuple of non-empty module-name patterns (a lone string becomes a 1-tuple).
+
+    The message points at ``adapt(target=...)`` for types and callables, which a config cannot hold.
+    """
+    target = (value,) if isinstance(value, str) else value
+    if not isinstance(target, (tuple, list)) or not target or not all(isinstance(t, str) and t for t in target):
+        raise ValueError(f"{field} must be a non-empty tuple of module-name patterns, got {value!r} "
+                         "(pass types or callables to adapt(target=...))")
+    return tuple(target)
+
+
+def is_pos_int(value: Any) -> bool:
+    """Whether ``value`` is an ``int`` >= 1 (a bool is not); the test behind checks that build their own message."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def is_finite_number(value: Any) -> bool:
+    """Whether ``value`` is a finite ``int`` or ``float`` (a bool is not)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(float(value))

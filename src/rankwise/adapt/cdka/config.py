@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from rankwise.core.adapters import CONFIG_FILE, WEIGHTS_FILE  # noqa: F401  (re-exported)
-from rankwise.core.validate import check_bool, check_choice, check_int, check_positive, check_unit
+from rankwise.core.validate import check_bool, check_patterns, check_choice, check_int, check_positive, check_unit
+from rankwise.core.validate import is_pos_int as _pos_int  # the family's modules import these names from here
 
 
 CONFIG_MODES = ("aligned", "fixed")
@@ -22,10 +23,6 @@ TIE_RTOL = 1e-9
 _UNSUPPORTED = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding, nn.EmbeddingBag)
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
-
-
-def _pos_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 # ------------------------------------------------------------------------------------------------
@@ -72,12 +69,7 @@ class CDKAConfig:
 
     def __post_init__(self) -> None:
         c = "CDKAConfig"
-        target = (self.target,) if isinstance(self.target, str) else self.target
-        if (not isinstance(target, (tuple, list)) or not target
-                or not all(isinstance(t, str) and t for t in target)):
-            raise ValueError(f"{c}.target must be a non-empty tuple of module-name patterns, got "
-                             f"{self.target!r} (pass types or callables to adapt(target=...))")
-        object.__setattr__(self, "target", tuple(target))
+        object.__setattr__(self, "target", check_patterns(f"{c}.target", self.target))
         parse_budget(self.budget, 1, 1)  # validates the form
         object.__setattr__(self, "budget_tolerance", check_unit(f"{c}.budget_tolerance", self.budget_tolerance,
                                                                 high_open=True))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Mapping
 
@@ -12,7 +11,8 @@ from torch import nn
 
 from rankwise.core.adapters import deprecated_fields
 from rankwise.core.adapters import CONFIG_FILE, WEIGHTS_FILE  # noqa: F401  (re-exported)
-from rankwise.core.validate import check_bool, check_choice, check_int, check_positive, check_unit
+from rankwise.core.validate import check_bool, check_patterns, check_choice, check_int, check_positive, check_unit
+from rankwise.core.validate import is_pos_int as _pos_int, is_finite_number as _number  # the family's modules import these names from here
 
 
 RANK_BY = ("score_per_cost", "score")
@@ -28,14 +28,6 @@ log = logging.getLogger(__name__)
 def renamed_keys(d: Mapping[str, Any]) -> dict[str, Any]:
     """``d`` with the field names of earlier releases (:data:`OLD_FIELDS`) replaced by today's."""
     return {OLD_FIELDS.get(k, k): v for k, v in d.items()}
-
-
-def _pos_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-
-
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(float(value))
 
 
 #: field names of earlier releases (still accepted, with a DeprecationWarning; read silently from saved files)
@@ -92,12 +84,7 @@ class DAFConfig:
         check_int(f"{c}.budget_params", self.budget_params, 1, allow_none=True)
         object.__setattr__(self, "budget_fraction", check_unit(f"{c}.budget_fraction", self.budget_fraction,
                                                                low_open=True))
-        target = (self.target,) if isinstance(self.target, str) else self.target
-        if (not isinstance(target, (tuple, list)) or not target
-                or not all(isinstance(t, str) and t for t in target)):
-            raise ValueError(f"{c}.target must be a non-empty tuple of module-name patterns, got "
-                             f"{self.target!r} (pass types or callables to adapt(target=...))")
-        object.__setattr__(self, "target", tuple(target))
+        object.__setattr__(self, "target", check_patterns(f"{c}.target", self.target))
         check_int(f"{c}.calib_batches", self.calib_batches, 1)
         ae = self.analysis_every
         if isinstance(ae, bool) or not isinstance(ae, (int, float)) or (

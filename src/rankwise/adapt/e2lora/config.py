@@ -12,7 +12,8 @@ from torch import nn
 
 from rankwise.core.adapters import deprecated_fields
 from rankwise.core.adapters import CONFIG_FILE, WEIGHTS_FILE  # noqa: F401  (re-exported)
-from rankwise.core.validate import check_bool, check_choice, check_int, check_positive, check_str, check_unit
+from rankwise.core.validate import check_bool, check_patterns, check_choice, check_int, check_positive, check_str, check_unit
+from rankwise.core.validate import is_pos_int as _pos_int  # the family's modules import these names from here
 
 
 THRESHOLDS = ("adaptive",)
@@ -28,10 +29,6 @@ _HALF_LOG_2PI_E = 0.5 * math.log(2.0 * math.pi) + 0.5
 SIGMA_SIGN_CHANGE = 1.0 / math.sqrt(2.0 * math.pi * math.e)
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
-
-
-def _pos_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 def _number(value: Any) -> bool:
@@ -89,12 +86,7 @@ class E2LoRAConfig:
         c = "E2LoRAConfig"
         check_int(f"{c}.rank", self.rank, 1)
         object.__setattr__(self, "alpha", check_positive(f"{c}.alpha", self.alpha))
-        target = (self.target,) if isinstance(self.target, str) else self.target
-        if (not isinstance(target, (tuple, list)) or not target
-                or not all(isinstance(t, str) and t for t in target)):
-            raise ValueError(f"{c}.target must be a non-empty tuple of module-name patterns, got "
-                             f"{self.target!r} (pass types or callables to adapt(target=...))")
-        object.__setattr__(self, "target", tuple(target))
+        object.__setattr__(self, "target", check_patterns(f"{c}.target", self.target))
         t = self.threshold
         if isinstance(t, str) and t in THRESHOLDS:
             pass

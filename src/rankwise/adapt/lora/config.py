@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from rankwise.core.lora import INITS
-from rankwise.core.validate import check_bool, check_choice, check_int, check_positive, check_unit
+from rankwise.core.validate import check_bool, check_patterns, check_choice, check_int, check_positive, check_unit
 
 
 @dataclass(frozen=True)
@@ -38,11 +38,6 @@ class LoraConfig:
         object.__setattr__(self, "alpha", check_positive(f"{c}.alpha", self.alpha))
         object.__setattr__(self, "dropout", check_unit(f"{c}.dropout", self.dropout, high_open=True))
         check_bool(f"{c}.use_rslora", self.use_rslora)
-        target = (self.target,) if isinstance(self.target, str) else self.target
-        if (not isinstance(target, (tuple, list)) or not target
-                or not all(isinstance(t, str) and t for t in target)):
-            raise ValueError(f"{c}.target must be a non-empty tuple of module-name patterns, "
-                             f"got {self.target!r} (pass types or callables to adapt(target=...))")
-        object.__setattr__(self, "target", tuple(target))
+        object.__setattr__(self, "target", check_patterns(f"{c}.target", self.target))
         check_choice(f"{c}.init", self.init, INITS)
         check_int(f"{c}.seed", self.seed, allow_none=True)

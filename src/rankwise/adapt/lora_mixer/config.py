@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -10,7 +9,8 @@ from typing import Any, Union
 
 from rankwise.core.adapters import CONFIG_FILE, WEIGHTS_FILE  # noqa: F401  (re-exported)
 from rankwise.core.lora import AdapterState
-from rankwise.core.validate import check_bool, check_choice, check_int, check_number, check_positive, check_unit
+from rankwise.core.validate import check_bool, check_patterns, check_choice, check_int, check_number, check_positive, check_unit
+from rankwise.core.validate import is_pos_int as _pos_int, is_finite_number as _number  # the family's modules import these names from here
 
 
 FUSIONS = ("soft", "topk", "hard")
@@ -24,14 +24,6 @@ LOG_FLOOR = 1e-12
 DEFAULT_TARGET = ("query", "key", "value", "attention.output.dense", "q_proj", "k_proj", "v_proj", "o_proj",
                   "in_proj", "out_proj")
 ExpertSource = Union[str, Path, AdapterState]
-
-
-def _pos_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
-
-
-def _number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -88,11 +80,7 @@ class LoRAMixerConfig:
         object.__setattr__(self, "alpha", check_positive(f"{c}.alpha", self.alpha))
         object.__setattr__(self, "dropout", check_unit(f"{c}.dropout", self.dropout, high_open=True))
         check_bool(f"{c}.renormalize", self.renormalize)
-        target = (self.target,) if isinstance(self.target, str) else self.target
-        if not isinstance(target, (tuple, list)) or not target or not all(isinstance(t, str) and t for t in target):
-            raise ValueError(f"{c}.target must be a non-empty tuple of module-name patterns, "
-                             f"got {self.target!r} (pass types or callables to adapt(target=...))")
-        object.__setattr__(self, "target", tuple(target))
+        object.__setattr__(self, "target", check_patterns(f"{c}.target", self.target))
         for f in ("rsl_alpha", "rsl_lambda", "preserve_beta"):
             object.__setattr__(self, f, check_number(f"{c}.{f}", getattr(self, f), 0.0))
         if self.entropy_sign not in (1, -1) or isinstance(self.entropy_sign, bool):

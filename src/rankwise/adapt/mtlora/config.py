@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import math
 import warnings
 from dataclasses import dataclass
 from typing import Any
 
 from rankwise.core.adapters import CONFIG_FILE, WEIGHTS_FILE  # noqa: F401  (re-exported)
 from rankwise.core.validate import check_choice, check_int, check_number, check_positive, check_unit
+from rankwise.core.validate import is_pos_int as _pos_int, is_finite_number as _number  # the family's modules import these names from here
 
 
 PLACEMENTS = ("ffn", "attention", "both", "component")
@@ -26,14 +26,6 @@ BLOCK_PAIRS: dict[str, tuple[tuple[str, str], ...]] = {
                   ("attention.attention.query", "attention.output.dense"), ("self_attn.q_proj", "self_attn.out_proj"),
                   ("attention.query_key_value", "attention.dense")),
 }
-
-
-def _pos_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-
-
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(float(value))
 
 
 # ------------------------------------------------------------------------------------------------

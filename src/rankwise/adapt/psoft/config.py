@@ -9,7 +9,8 @@ from torch import nn
 
 from rankwise.core.adapters import CONFIG_FILE, WEIGHTS_FILE  # noqa: F401  (re-exported)
 from rankwise.core.adapters import deprecated_fields
-from rankwise.core.validate import check_bool, check_choice, check_int, check_unit
+from rankwise.core.validate import check_bool, check_choice, check_patterns, check_int, check_unit
+from rankwise.core.validate import is_pos_int as _pos_int  # the family's modules import these names from here
 
 
 CAYLEY = ("neumann", "exact")
@@ -19,18 +20,6 @@ _UNSUPPORTED = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Embedding, nn.EmbeddingBag)
 NEUMANN_WARN_NORM = 0.9
 #: Singular values below ``RANK_RTOL * sigma_1`` inside the top r count as zero (rank-deficient W0: warning).
 RANK_RTOL = 1e-6
-
-
-def _pos_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-
-
-def _target_tuple(owner: str, target: Any) -> tuple[str, ...]:
-    target = (target,) if isinstance(target, str) else target
-    if not isinstance(target, (tuple, list)) or not target or not all(isinstance(t, str) and t for t in target):
-        raise ValueError(f"{owner}.target must be a non-empty tuple of module-name patterns, got "
-                         f"{target!r} (pass types or callables to adapt(target=...))")
-    return tuple(target)
 
 
 @deprecated_fields(r="rank")
@@ -67,7 +56,7 @@ class PSOFTConfig:
     def __post_init__(self) -> None:
         c = "PSOFTConfig"
         check_int(f"{c}.rank", self.rank, 1)
-        object.__setattr__(self, "target", _target_tuple(c, self.target))
+        object.__setattr__(self, "target", check_patterns(f"{c}.target", self.target))
         check_choice(f"{c}.cayley", self.cayley, CAYLEY)
         check_int(f"{c}.neumann_terms", self.neumann_terms, 0)
         check_unit(f"{c}.neumann_eps", self.neumann_eps, low_open=True, high_open=True, allow_none=True)
