@@ -25,7 +25,7 @@ from rankwise.compress.progress import track
 from rankwise.compress.targets import find_blocks, first_tensor_arg, out_tensor, resolve_targets
 from rankwise.core.errors import SelectionError
 from rankwise.core.select import Selector
-from rankwise.core.stats import KINDS, CalibrationError, LayerStats, StatsCollector
+from rankwise.core.stats import KINDS, CalibrationError, LayerStats, StatsCollector, resolve_mask
 
 Tensor = torch.Tensor
 
@@ -47,22 +47,6 @@ def materialize_batches(calib: Any) -> list[Any]:
     if not batches:
         raise CalibrationError("the calibration data is empty: `calib` yielded no batch")
     return batches
-
-
-def resolve_mask(batch: Any, mask: Any) -> Tensor | None:
-    if mask is None:
-        return None
-    if isinstance(mask, str):
-        if mask != "auto":
-            raise ValueError(f"mask must be 'auto', None, a tensor or a callable, got {mask!r}")
-        if isinstance(batch, Mapping) and isinstance(batch.get("attention_mask"), torch.Tensor):
-            return batch["attention_mask"]
-        return None
-    if isinstance(mask, torch.Tensor):
-        return mask
-    if callable(mask):
-        return mask(batch)
-    raise TypeError(f"mask must be 'auto', None, a tensor or a callable, got {type(mask).__name__}")
 
 
 @contextlib.contextmanager

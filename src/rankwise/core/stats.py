@@ -86,7 +86,7 @@ _COUNTS = ("n_tokens", "n_grad_tokens", "n_fisher", "in_features", "out_features
 _FLAGS = ("fisher_per_sample", "output_bias")
 
 __all__ = ["KINDS", "GRAD_KINDS", "CalibrationError", "LayerStats", "StatsCollector", "collect",
-           "default_forward"]
+           "default_forward", "resolve_mask", "task_loss"]
 
 
 class CalibrationError(RankwiseError, ValueError):
@@ -493,19 +493,16 @@ class StatsCollector:
 
     def _check_features(self, lay: _Layer, n: int, m: int | None) -> None:
         st = lay.stats
-        exp_n = getattr(lay.module, "in_features", None)
-        if isinstance(exp_n, int) and n != exp_n:
-            raise ValueError(f"layer {lay.name!r}: input last dim {n} != in_features {exp_n}")
-        if st.in_features and st.in_features != n:
-            raise ValueError(f"layer {lay.name!r}: input last dim {n} differs from earlier batches ({st.in_features})")
-        st.in_features = n
-        if m is not None:
-            exp_m = getattr(lay.module, "out_features", None)
-            if isinstance(exp_m, int) and m != exp_m:
-                raise ValueError(f"layer {lay.name!r}: output last dim {m} != out_features {exp_m}")
-            if st.out_features and st.out_features != m:
-                raise ValueError(f"layer {lay.name!r}: output last dim {m} differs from earlier batches ({st.out_features})")
-            st.out_features = m
+        for side, dim in (("in", n), ("out", m)):  # the input's last dim, then the output's (if any)
+            if dim is None:
+                continue
+            expected = getattr(lay.module, f"{side}_features", None)
+            if isinstance(expected, int) and dim != expected:
+                raise ValueError(f"layer {lay.name!r}: {side}put last dim {dim} != {side}_features {expected}")
+            seen = getattr(st, f"{side}_features")
+            if seen and seen != dim:
+                raise ValueError(f"layer {lay.name!r}: {side}put last dim {dim} differs from earlier batches ({seen})")
+            setattr(st, f"{side}_features", dim)
 
     def _bias(self, lay: _Layer, m: int) -> Tensor | None:
         if self.output_bias:
@@ -673,21 +670,6 @@ class StatsCollector:
 
     # -- running batches ---------------------------------------------------------------------
 
-    def _resolve_mask(self, batch: Any, mask: Any) -> Tensor | None:
-        if mask is None:
-            return None
-        if isinstance(mask, str):
-            if mask != "auto":
-                raise ValueError(f"mask must be 'auto', None, a tensor or a callable, got {mask!r}")
-            if isinstance(batch, Mapping) and isinstance(batch.get("attention_mask"), torch.Tensor):
-                return batch["attention_mask"]
-            return None
-        if isinstance(mask, torch.Tensor):
-            return mask
-        if callable(mask):
-            return mask(batch)
-        raise TypeError(f"mask must be 'auto', None, a tensor or a callable, got {type(mask).__name__}")
-
     def run(
         self,
         batch: Any,
@@ -706,7 +688,7 @@ class StatsCollector:
         if not self._handles:
             raise RuntimeError("attach the collector first: `with StatsCollector(...) as col: col.run(batch)`")
         fwd = forward or default_forward
-        m = self._resolve_mask(batch, mask)
+        m = resolve_mask(batch, mask)
         with self.token_mask(m):
             if not self.needs_grad:
                 with torch.no_grad():
@@ -759,7 +741,9 @@ class StatsCollector:
         return sum(lay.stats.state_numel() for lay in self.layers.values())
 
 
-def _loss(out: Any, batch: Any, loss_fn: Callable | None) -> Tensor:
+def task_loss(out: Any, batch: Any, loss_fn: Callable | None, missing: str) -> Tensor:
+    """The scalar loss of one batch: ``loss_fn(out, batch)``, else ``out.loss``, else a scalar ``out``;
+    ``missing`` is the message when there is none."""
     if loss_fn is not None:
         loss = loss_fn(out, batch)
     elif isinstance(getattr(out, "loss", None), torch.Tensor):
@@ -767,11 +751,33 @@ def _loss(out: Any, batch: Any, loss_fn: Callable | None) -> Tensor:
     elif isinstance(out, torch.Tensor) and out.ndim == 0:
         loss = out
     else:
-        raise ValueError("gradient statistics (kinds 'kfac'/'fisher_diag') need a loss: pass "
-                         "loss_fn(output, batch) -> scalar, or a model that returns .loss")
+        raise ValueError(missing)
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise ValueError(f"loss_fn must return a scalar tensor, got {getattr(loss, 'shape', type(loss))}")
     return loss.reshape(())
+
+
+def _loss(out: Any, batch: Any, loss_fn: Callable | None) -> Tensor:
+    return task_loss(out, batch, loss_fn, "gradient statistics (kinds 'kfac'/'fisher_diag') need a loss: pass "
+                     "loss_fn(output, batch) -> scalar, or a model that returns .loss")
+
+
+def resolve_mask(batch: Any, mask: Any) -> Tensor | None:
+    """The token mask of ``batch``: ``"auto"`` takes a mapping batch's ``attention_mask`` (else None); a
+    tensor is used as is; a callable is called with the batch; None means no mask."""
+    if mask is None:
+        return None
+    if isinstance(mask, str):
+        if mask != "auto":
+            raise ValueError(f"mask must be 'auto', None, a tensor or a callable, got {mask!r}")
+        if isinstance(batch, Mapping) and isinstance(batch.get("attention_mask"), torch.Tensor):
+            return batch["attention_mask"]
+        return None
+    if isinstance(mask, torch.Tensor):
+        return mask
+    if callable(mask):
+        return mask(batch)
+    raise TypeError(f"mask must be 'auto', None, a tensor or a callable, got {type(mask).__name__}")
 
 
 @contextlib.contextmanager

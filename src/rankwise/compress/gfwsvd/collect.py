@@ -21,7 +21,7 @@ from rankwise.compress.gfwsvd.fisher import (
 )
 from rankwise.core.errors import NumericalError
 from rankwise.core.select import Selector, select
-from rankwise.core.stats import CalibrationError, LayerStats, default_forward
+from rankwise.core.stats import CalibrationError, LayerStats, default_forward, task_loss
 
 Tensor = torch.Tensor
 
@@ -156,18 +156,8 @@ class PerSampleGradientCollector:
 
 
 def _loss(out: Any, batch: Any, loss_fn: Callable | None) -> Tensor:
-    if loss_fn is not None:
-        loss = loss_fn(out, batch)
-    elif isinstance(getattr(out, "loss", None), torch.Tensor):
-        loss = out.loss
-    elif isinstance(out, torch.Tensor) and out.ndim == 0:
-        loss = out
-    else:
-        raise ValueError("GFWSVD needs a task loss for its gradients: pass loss_fn(output, batch) -> scalar, "
-                         "or use a model that returns .loss")
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        raise ValueError(f"loss_fn must return a scalar tensor, got {getattr(loss, 'shape', type(loss))}")
-    return loss.reshape(())
+    return task_loss(out, batch, loss_fn, "GFWSVD needs a task loss for its gradients: pass loss_fn(output, batch) "
+                     "-> scalar, or use a model that returns .loss")
 
 
 class _RecomputeOperator(_Operator):
