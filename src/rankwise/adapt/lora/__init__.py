@@ -16,17 +16,9 @@ model-level API (:data:`LORA`) in :mod:`rankwise.core.peft_format` (both shared 
 training and the LoRA optimizers); this package is the method: its config (``config.py``), the entry
 point and the PEFT export (``model.py``), and re-exports of the shared names.
 
-Directory format (``save_adapter`` and ``export_peft`` write the same thing)
----------------------------------------------------------------------------
-``adapter_config.json``
-    a PEFT ``LoraConfig`` (``peft_type: "LORA"``, ``r``, ``lora_alpha``, ``target_modules``,
-    ``rank_pattern``/``alpha_pattern`` for modules whose rank/alpha differ from the most common
-    one, ``use_rslora``, ``lora_dropout``, ``bias: "none"``, ...);
-``adapter_model.safetensors``
-    keys ``base_model.model.<module>.lora_A.weight`` (r, in) and ``...lora_B.weight`` (out, r), as
-    PEFT names them; the safetensors header additionally holds rankwise metadata (adapter name,
-    config, exact per-module scaling, base-model fingerprint, per-tensor SHA-256, see
-    :mod:`rankwise.core.io`), which PEFT ignores.
+Directory format: ``save_adapter`` and ``export_peft`` write the same thing, a PEFT LoRA directory
+(``adapter_config.json`` + ``adapter_model.safetensors``, plus rankwise metadata in the safetensors
+header that PEFT ignores), described field by field in :mod:`rankwise.core.peft_format`.
 
 So ``peft.PeftModel.from_pretrained(base, directory)`` loads what rankwise saves, and
 :func:`load_adapter` / :func:`load_peft` load what PEFT saves (standard LoRA on ``nn.Linear`` only;
