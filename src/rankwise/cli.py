@@ -22,9 +22,10 @@ with ``register(app)``; what verbs share (console, progress, error format, optio
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
-from typing import Any, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import click
 import typer
@@ -50,6 +51,20 @@ def _fail(line: str) -> click.exceptions.Exit:
     return click.exceptions.Exit(USAGE_EXIT)
 
 
+@contextlib.contextmanager
+def _usage_failures() -> Iterator[None]:
+    """A click usage error as one ``rankwise: error:`` line and exit 2 (the help page for no arguments
+    passes through; ``--debug`` shows the traceback)."""
+    try:
+        yield
+    except click.exceptions.NoArgsIsHelpError:
+        raise
+    except click.UsageError as e:
+        if common.debug():
+            raise
+        raise _fail(common.usage_line(e)) from None
+
+
 class RankwiseGroup(TyperGroup):
     """The top-level group: turns user errors raised by any verb, and every usage error of click/typer
     (bad option value, unknown option or command, missing or extra argument), into one line
@@ -57,14 +72,8 @@ class RankwiseGroup(TyperGroup):
 
     def make_context(self, info_name: Optional[str], args: list[str], parent: Optional[click.Context] = None,
                      **extra: Any) -> click.Context:
-        try:
+        with _usage_failures():
             return super().make_context(info_name, args, parent=parent, **extra)
-        except click.exceptions.NoArgsIsHelpError:
-            raise
-        except click.UsageError as e:
-            if common.debug():
-                raise
-            raise _fail(common.usage_line(e)) from None
 
     def resolve_command(self, ctx: click.Context, args: list[str]) -> Any:
         try:
@@ -75,18 +84,13 @@ class RankwiseGroup(TyperGroup):
                                    f"{', '.join(sorted(self.list_commands(ctx)))}", ctx) from None
 
     def invoke(self, ctx: click.Context) -> Any:
-        try:
-            return super().invoke(ctx)
-        except click.exceptions.NoArgsIsHelpError:
-            raise
-        except click.UsageError as e:
-            if common.debug():
-                raise
-            raise _fail(common.usage_line(e)) from None
-        except USER_ERRORS as e:
-            if common.debug():
-                raise
-            raise _fail(common.one_line(e)) from None
+        with _usage_failures():
+            try:
+                return super().invoke(ctx)
+            except USER_ERRORS as e:
+                if common.debug():
+                    raise
+                raise _fail(common.one_line(e)) from None
 
 
 app = typer.Typer(

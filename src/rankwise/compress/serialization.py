@@ -162,6 +162,14 @@ def fingerprint_from_samples(entries: Sequence[tuple[str, tuple[int, ...], torch
 # reading a checkpoint piece by piece
 
 
+def _weight_map(index: Path) -> dict[str, str]:
+    """The ``weight_map`` (tensor key -> shard file) of a sharded checkpoint's index file."""
+    wm = io.read_json(index).get("weight_map")
+    if not isinstance(wm, dict):
+        raise ArtifactError(f"{index}: no weight_map")
+    return wm
+
+
 class CheckpointReader:
     """Lazy access to the tensors of a ``save_pretrained`` directory (safetensors, single file or sharded)."""
 
@@ -176,11 +184,7 @@ class CheckpointReader:
         self.key_file: dict[str, Path] = {}
         index = d / INDEX_FILE
         if index.is_file():
-            data = io.read_json(index)
-            wm = data.get("weight_map")
-            if not isinstance(wm, dict):
-                raise ArtifactError(f"{index}: no weight_map")
-            for k, f in wm.items():
+            for k, f in _weight_map(index).items():
                 self.key_file[k] = d / f
         elif (d / WEIGHTS_FILE).is_file():
             from safetensors import safe_open
@@ -555,10 +559,7 @@ def verify_files(directory: str | Path, meta: Mapping[str, Any] | None = None) -
 def _load_weights(d: Path, expect: Mapping[str, Any]) -> dict[str, Tensor]:
     index = d / INDEX_FILE
     if index.is_file():
-        data = io.read_json(index)
-        wm = data.get("weight_map")
-        if not isinstance(wm, dict):
-            raise ArtifactError(f"{index}: no weight_map")
+        wm = _weight_map(index)
         files = sorted(set(wm.values()))
         out: dict[str, Tensor] = {}
         for f in files:

@@ -180,3 +180,26 @@ def given_gradients(gradients: Mapping[str, torch.Tensor], shapes: Mapping[str, 
             raise ValueError(f"layer {n!r}: the gradient is exactly zero {zero_hint}".rstrip())
         out[n] = g
     return out
+
+
+@torch.no_grad()
+def token_nll(model: nn.Module, windows: torch.Tensor, batch_size: int, *, who: str) -> tuple[float, int]:
+    """Summed next-token cross-entropy (nats, float64) over every predicted token of ``windows`` (n, T),
+    and the number of those tokens. ``model(input_ids=...)`` must return ``.logits`` (a causal LM); it
+    runs in eval mode, its train/eval mode restored after. A non-finite loss raises
+    :class:`NumericalError` naming ``who``."""
+    was = model.training
+    model.eval()
+    total, count = 0.0, 0
+    try:
+        for batch in windows.split(batch_size):
+            logits = model(input_ids=batch).logits[:, :-1].double()
+            nll = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1),
+                                              reduction="sum")
+            if not torch.isfinite(nll):
+                raise NumericalError(f"{who}: the model produced a non-finite loss")
+            total += float(nll)
+            count += batch[:, 1:].numel()
+    finally:
+        model.train(was)
+    return total, count

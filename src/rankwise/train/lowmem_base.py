@@ -38,6 +38,7 @@ __all__ = [
     "LowMemOptimizer",
     "adamw_step",
     "check_betas",
+    "closure_loss",
     "lowmem_entry",
     "norm_growth_limit",
     "optimizer_state_bytes",
@@ -226,6 +227,14 @@ def adamw_step(p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group
 # the shared base
 
 
+def closure_loss(closure: Callable[[], Any] | None) -> Any:
+    """What an optimizer's ``step(closure)`` returns: ``closure()`` run with gradients on, or None."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 class FromConfig:
     """Mixin of the family's optimizers: ``cls.from_config(params, config, **kwargs)`` builds the optimizer
     from its frozen config dataclass (``config_class``), i.e. ``cls(params, **asdict(config), **kwargs)``."""
@@ -313,10 +322,7 @@ class LowMemOptimizer(FromConfig, torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One optimisation step over every parameter with a gradient; returns ``closure()``'s loss."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for gi, group in enumerate(self.param_groups):
             for pi, p in enumerate(group["params"]):
                 if p.grad is None:

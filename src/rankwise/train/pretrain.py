@@ -29,8 +29,9 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 from torch import nn
 
+from rankwise.core.calibration import token_nll
 from rankwise.core.errors import NumericalError, RankwiseError
-from rankwise.train.lowmem_base import optimizer_state_bytes, split_params_for_lowmem
+from rankwise.train.lowmem_base import closure_loss, optimizer_state_bytes, split_params_for_lowmem
 
 __all__ = [
     "OPTIMIZERS",
@@ -103,20 +104,7 @@ def eval_loss(model: nn.Module, windows: torch.Tensor, batch_size: int = 16) -> 
     ``model(input_ids=...)`` must return an object with ``.logits`` (a Hugging Face causal LM).
     Raises :class:`NumericalError` on a non-finite loss. The model's train/eval mode is restored.
     """
-    was = model.training
-    model.eval()
-    total, count = 0.0, 0
-    try:
-        for batch in windows.split(batch_size):
-            logits = model(input_ids=batch).logits[:, :-1]
-            nll = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).double(),
-                                              batch[:, 1:].reshape(-1), reduction="sum")
-            if not torch.isfinite(nll):
-                raise NumericalError("eval_loss: the model produced a non-finite loss")
-            total += float(nll)
-            count += batch[:, 1:].numel()
-    finally:
-        model.train(was)
+    total, count = token_nll(model, windows, batch_size, who="eval_loss")
     return total / count
 
 
@@ -151,10 +139,7 @@ class MultiOptimizer(torch.optim.Optimizer):
         return out
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for p in self.parts:
             p.step()
         return loss

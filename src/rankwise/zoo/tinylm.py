@@ -46,6 +46,7 @@ from typing import Any, Iterator
 
 import torch
 
+from rankwise.core.calibration import token_nll
 from rankwise.core.errors import ArtifactError, RankwiseError
 from rankwise.zoo.docstrings import SPLITS, corpus
 from rankwise.zoo.models import quiet_transformers, seeded
@@ -241,23 +242,8 @@ def _windows(stream: torch.Tensor, seq_len: int, max_tokens: int | None) -> torc
 @torch.no_grad()
 def _eval_nll(model: torch.nn.Module, stream: torch.Tensor, seq_len: int, batch_size: int,
               max_tokens: int | None) -> tuple[float, torch.Tensor]:
-    from rankwise.core.errors import NumericalError
-
     windows = _windows(stream, seq_len, max_tokens)
-    was_training = model.training
-    model.eval()
-    total, count = 0.0, 0
-    try:
-        for batch in windows.split(batch_size):
-            logits = model(input_ids=batch).logits[:, :-1].double()
-            nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]),
-                                                    batch[:, 1:].reshape(-1), reduction="sum")
-            if not torch.isfinite(nll):
-                raise NumericalError("perplexity(): the model produced a non-finite loss")
-            total += float(nll)
-            count += batch[:, 1:].numel()
-    finally:
-        model.train(was_training)
+    total, count = token_nll(model, windows, batch_size, who="perplexity()")
     return total / count, windows[:, 1:].reshape(-1)
 
 

@@ -252,6 +252,25 @@ def _sequence_form(game: Game | SequenceForm) -> SequenceForm:
     return sf
 
 
+def _log_points(iters: int, log_at: Sequence[int] | None) -> np.ndarray:
+    """The iterations to log at: ``log_at`` (sorted, unique) or ~60 log-spaced ones."""
+    return log_schedule(iters) if log_at is None else np.unique(np.asarray(list(log_at), dtype=np.int64))
+
+
+def _curve(iters: int, logs: np.ndarray, step: Any, measure: Any) -> tuple[np.ndarray, float]:
+    """Call ``step()`` ``iters`` times and ``measure()`` after each iteration in ``logs``; returns
+    ``(measurements, wall seconds)``."""
+    values = np.zeros(logs.size)
+    li = 0
+    t0 = time.perf_counter()
+    for i in range(1, iters + 1):
+        step()
+        if li < logs.size and i == logs[li]:
+            values[li] = measure()
+            li += 1
+    return values, time.perf_counter() - t0
+
+
 @dataclass
 class CFRResult:
     """Outcome of :meth:`CFRSolver.run`.
@@ -385,19 +404,11 @@ class CFRSolver:
     def run(self, iters: int, *, log_at: Sequence[int] | None = None) -> CFRResult:
         """Run ``iters`` more iterations, logging exploitability at ``log_at`` (default ~60 log-spaced)."""
         check_int("iters", iters, 1)
-        logs = log_schedule(iters) if log_at is None else np.unique(np.asarray(list(log_at), dtype=np.int64))
+        logs = _log_points(iters, log_at)
         if logs.size == 0 or logs.min() < 1 or logs.max() > iters:
             raise ValueError(f"log_at must be iterations within [1, {iters}]")
         t_start = self.t
-        expl = np.zeros(logs.size)
-        li = 0
-        t0 = time.perf_counter()
-        for i in range(1, iters + 1):
-            self.iterate()
-            if li < logs.size and i == logs[li]:
-                expl[li] = self.exploitability()
-                li += 1
-        wall = time.perf_counter() - t0
+        expl, wall = _curve(iters, logs, self.iterate, self.exploitability)
         x, y = self.average_plans()
         bdec = None
         mis = [mz for d in self.minimizers for mz in d.values() if isinstance(mz, _MISPRMPlus)]
@@ -454,13 +465,7 @@ def openspiel_cfr_curve(game_name: str, iters: int, *, plus: bool = True,
 
     game = pyspiel.load_game(game_name)
     solver = pyspiel.CFRPlusSolver(game) if plus else pyspiel.CFRSolver(game)
-    logs = log_schedule(iters) if log_at is None else np.unique(np.asarray(list(log_at), dtype=np.int64))
-    expl = np.zeros(logs.size)
-    li = 0
-    t0 = time.perf_counter()
-    for i in range(1, iters + 1):
-        solver.evaluate_and_update_policy()
-        if li < logs.size and i == logs[li]:
-            expl[li] = float(pyspiel.exploitability(game, solver.average_policy()))
-            li += 1
-    return logs, expl, time.perf_counter() - t0
+    logs = _log_points(iters, log_at)
+    expl, wall = _curve(iters, logs, solver.evaluate_and_update_policy,
+                        lambda: float(pyspiel.exploitability(game, solver.average_policy())))
+    return logs, expl, wall

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import Callable, ClassVar, Literal
 
 import numpy as np
 
@@ -300,14 +300,23 @@ class _MISPRMPlus(RegretMinimizer):
 
 @dataclass(frozen=True)
 class RegretAlgorithm:
-    """Base of the algorithm configs; ``make`` builds a fresh minimiser."""
+    """Base of the algorithm configs; ``make`` builds a fresh minimiser.
+
+    A parameter-free algorithm only names its minimiser class and label (``_minimizer``, ``_label``);
+    one with parameters overrides :meth:`make` and :attr:`label`.
+    """
+
+    _minimizer: ClassVar[Callable[[int, tuple[int, ...]], RegretMinimizer] | None] = None
+    _label: ClassVar[str | None] = None
 
     def make(self, num_actions: int, batch: tuple[int, ...] | int = ()) -> RegretMinimizer:
-        raise NotImplementedError
+        if self._minimizer is None:
+            raise NotImplementedError
+        return type(self)._minimizer(num_actions, _batch(batch))  # type: ignore[misc]
 
     @property
     def label(self) -> str:
-        return type(self).__name__
+        return self._label or type(self).__name__
 
 
 def _batch(batch: tuple[int, ...] | int) -> tuple[int, ...]:
@@ -318,36 +327,24 @@ def _batch(batch: tuple[int, ...] | int) -> tuple[int, ...]:
 class RM(RegretAlgorithm):
     """Regret Matching: ``R <- R + r``, ``x = g([R]^+)``. Parameter-free, O(1/sqrt T)."""
 
-    def make(self, num_actions: int, batch: tuple[int, ...] | int = ()) -> RegretMinimizer:
-        return _RM(num_actions, _batch(batch))
-
-    @property
-    def label(self) -> str:
-        return "RM"
+    _minimizer = _RM
+    _label = "RM"
 
 
 @dataclass(frozen=True)
 class RMPlus(RegretAlgorithm):
     """Regret Matching+: ``R <- [R + r]^+``, ``x = g(R)``. Parameter-free (CFR+'s local minimiser)."""
 
-    def make(self, num_actions: int, batch: tuple[int, ...] | int = ()) -> RegretMinimizer:
-        return _RMPlus(num_actions, _batch(batch))
-
-    @property
-    def label(self) -> str:
-        return "RM+"
+    _minimizer = _RMPlus
+    _label = "RM+"
 
 
 @dataclass(frozen=True)
 class PRMPlus(RegretAlgorithm):
     """Predictive RM+: ``R <- [R + r]^+``, prediction ``m = r``, ``x = g([R + m]^+)`` (PCFR+'s local minimiser)."""
 
-    def make(self, num_actions: int, batch: tuple[int, ...] | int = ()) -> RegretMinimizer:
-        return _PRMPlus(num_actions, _batch(batch))
-
-    @property
-    def label(self) -> str:
-        return "PRM+"
+    _minimizer = _PRMPlus
+    _label = "PRM+"
 
 
 @dataclass(frozen=True)

@@ -51,7 +51,8 @@ from torch import nn
 from rankwise.core.errors import NumericalError, RankwiseError
 from rankwise.core.registry import register
 from rankwise.core.validate import check_bool, check_choice, check_number, check_positive, check_unit
-from rankwise.train.lowmem_base import FromConfig, adamw_step, check_betas, norm_growth_limit, racs_scale, racs_stats_step_
+from rankwise.train.lowmem_base import (FromConfig, adamw_step, check_betas, closure_loss, norm_growth_limit,
+                                         racs_scale, racs_stats_step_)
 
 __all__ = [
     "AdamS",
@@ -440,10 +441,7 @@ class _LiftedOptimizer(FromConfig, torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One step: Adam on ``other`` groups, lifted updates on every LoRA pair with a captured ``G_X``."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         pi = 0
         for group in self.param_groups:
             for p in group["params"]:
