@@ -15,7 +15,15 @@ import torch
 
 from rankwise.core.validate import check_int
 
-__all__ = ["read_texts", "tokenize_batches"]
+__all__ = ["json_line", "read_texts", "tokenize_batches"]
+
+
+def json_line(path: Path, no: int, line: str) -> Any:
+    """Line ``no`` of a JSON-lines file, parsed; ``ValueError("<path>:<no>: not valid JSON (...)")`` if it is not."""
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}:{no}: not valid JSON ({e.msg})") from None
 
 
 def read_texts(path: str | Path) -> list[str]:
@@ -37,10 +45,7 @@ def read_texts(path: str | Path) -> list[str]:
         for i, line in enumerate(lines, 1):
             if not line.strip():
                 continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{p}:{i}: not valid JSON ({e.msg})") from None
+            obj = json_line(p, i, line)
             text = obj.get("text") if isinstance(obj, dict) else obj
             if not isinstance(text, str):
                 raise ValueError(f"{p}:{i}: expected a JSON string or an object with a 'text' string field")

@@ -28,6 +28,7 @@ from typing import Any, Callable, Optional, Sequence
 import typer
 from torch import nn
 
+from rankwise.core.textfiles import json_line
 from rankwise.train import job as _job
 from rankwise.train.job import FinetuneData, FinetuneJob, FinetuneJobResult, class_labels
 
@@ -53,10 +54,7 @@ def read_jsonl(path: Path) -> list[tuple[str, Any]]:
                 raise ValueError(f"{path}:{no}: not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1})") from None
             if not line.strip():
                 continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{no}: not valid JSON ({e.msg})") from None
+            obj = json_line(path, no, line)
             if not isinstance(obj, dict) or "text" not in obj or "label" not in obj:
                 raise ValueError(f"{path}:{no}: expected an object with 'text' and 'label'")
             text, label = obj["text"], obj["label"]
