@@ -482,3 +482,26 @@ def test_method_of_a_family_that_cannot_merge():
         m.merge(nn.Sequential())
     with pytest.raises(RankwiseError, match="no Test adapter is merged"):
         m.unmerge(nn.Sequential())
+
+
+class _PairLinear(adapters.LinearAdapterLayer):
+    adapter_store = "pair"
+    adapter_fields = ("pair", "pair_dropout", "scaling", "adapter_config")
+    module_fields = ("pair", "pair_dropout")
+
+
+def test_linear_adapter_layer_builds_empty_containers_and_refuses_non_linear():
+    base = nn.Linear(4, 3).eval()
+    layer = _PairLinear(base, "blk.q")
+    assert (layer.in_features, layer.out_features) == (4, 3) and not layer.training
+    assert isinstance(layer.pair, nn.ModuleDict) and isinstance(layer.pair_dropout, nn.ModuleDict)
+    assert layer.scaling == {} and layer.adapters == []
+    with pytest.raises(TypeError, match=r"^_PairLinear wraps nn.Linear, got Conv1d at blk.c$"):
+        _PairLinear(nn.Conv1d(2, 2, 1), "blk.c")
+
+
+def test_wrap_layer_reuses_an_existing_wrapper():
+    model = nn.Sequential(nn.Linear(4, 3))
+    first = adapters.wrap_layer(model, "0", model[0], _PairLinear)
+    assert model[0] is first and first.base_layer.in_features == 4
+    assert adapters.wrap_layer(model, "0", model[0], _PairLinear) is first

@@ -14,9 +14,12 @@ from rankwise.core.validate import (
     check_choice,
     check_int,
     check_number,
+    check_patterns,
     check_positive,
     check_str,
     check_unit,
+    is_finite_number,
+    is_pos_int,
 )
 
 
@@ -127,3 +130,17 @@ def test_every_failure_is_a_value_error():
                  lambda: check_int("f", 0, 1), lambda: check_unit("f", 2)):
         with pytest.raises(ValueError, match=r"^f must be"):
             call()
+
+
+def test_check_patterns_accepts_a_string_or_a_sequence_and_names_the_field():
+    assert check_patterns("C.target", "query") == ("query",)
+    assert check_patterns("C.target", ["q", "v"]) == ("q", "v")
+    for bad in ((), "", ("q", ""), ("q", 3), None, 5):
+        with pytest.raises(ValueError, match=r"^C\.target must be a non-empty tuple of module-name patterns, got "):
+            check_patterns("C.target", bad)
+
+
+def test_predicates_refuse_bools_and_non_finite_values():
+    assert is_pos_int(1) and not is_pos_int(0) and not is_pos_int(True) and not is_pos_int(1.0)
+    assert is_finite_number(0) and is_finite_number(-2.5)
+    assert not any(is_finite_number(v) for v in (True, math.nan, math.inf, "1", None))
