@@ -233,12 +233,12 @@ def toy(tmp_path: Path) -> ModuleType:
 
 def test_skeleton_run_records_settings_overrides_and_times(repro_cache: Path, tmp_path: Path, toy: ModuleType) -> None:
     r = reproduce("lora", mode="smoke", out_dir=tmp_path / "a", module=toy, overrides={"n": "6"})
-    assert toy.CALLS == [(6, 0)] and r.overrides == {"n": "6"} and r.config["settings"]["n"] == 6
+    assert toy.CALLS == [(6, 0)] and r.overrides == {"n": 6} and r.config["settings"]["n"] == 6
     assert r.verdict == "holds" and r.checks[0].ci is not None and r.wall_time_s > 0 and r.cpu_time_s > 0
     assert (tmp_path / "a" / "toy.png").read_bytes()[:4] == b"\x89PNG"
     assert not [p for p in (tmp_path / "a").iterdir() if p.name.startswith(".")]  # no temporary files left
     data = json.loads((tmp_path / "a" / "result.json").read_text())
-    assert data["overrides"] == {"n": "6"} and data["preconditions"][0]["holds"]
+    assert data["overrides"] == {"n": 6} and data["preconditions"][0]["holds"]
     # the mode's own seeds (quick: one seed, 3) unless the caller gives some
     assert reproduce("lora", mode="quick", out_dir=tmp_path / "q", module=toy, use_cache=False).seeds == [3]
     assert reproduce("lora", mode="quick", seeds=[1], out_dir=tmp_path / "q", module=toy, use_cache=False).seeds == [1]
@@ -258,6 +258,7 @@ def test_cache_key_includes_overrides(repro_cache: Path, tmp_path: Path, toy: Mo
     other = reproduce("lora", mode="smoke", out_dir=tmp_path, module=toy, overrides={"n": "7"})
     assert not other.cache_hit and len(toy.CALLS) == 2
     assert reproduce("lora", mode="smoke", out_dir=tmp_path, module=toy, overrides={"n": "6"}).cache_hit
+    assert reproduce("lora", mode="smoke", out_dir=tmp_path, module=toy, overrides={"n": 6}).cache_hit  # same run
 
 
 def test_bad_overrides_fail_before_running(tmp_path: Path, toy: ModuleType, load_fake) -> None:
@@ -287,3 +288,38 @@ def test_every_converted_reproduction_declares_valid_settings() -> None:
             assert isinstance(s, Settings) and s.with_overrides({}) == s, (id, mode)
             assert all(s.docs().values()), f"{id}: every setting is documented"
     assert converted >= 3
+
+
+# --------------------------------------------------------------------------------------------------
+# The command line and the report
+
+
+def test_cli_show_settings_and_set(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from rankwise import cli
+
+    env = {"COLUMNS": "200", "NO_COLOR": "1"}
+    r = CliRunner().invoke(cli.app, ["reproduce", "lora", "--smoke", "--show-settings", "--set", "rank=4",
+                                     "targets=query,key"], env=env)
+    assert r.exit_code == 0, r.output
+    assert "rank" in r.output and " 4 " in r.output and "['query', 'key']" in r.output
+    r = CliRunner().invoke(cli.app, ["reproduce", "lora", "--smoke", "--set", "rnk=4", "--out", str(tmp_path)], env=env)
+    assert r.exit_code != 0 and "unknown setting 'rnk'" in r.output and "the settings are" in r.output
+    r = CliRunner().invoke(cli.app, ["reproduce", "lora", "--smoke", "--set", "rank"], env=env)
+    assert r.exit_code != 0 and "key=value" in r.output
+
+
+def test_report_shows_intervals_reasons_and_preconditions(repro_cache: Path, tmp_path: Path, toy: ModuleType) -> None:
+    from rankwise.repro.report import build_report
+
+    r = reproduce("lora", mode="smoke", out_dir=tmp_path / "run", module=toy, overrides={"floor": "5"})
+    index = build_report({"lora": r}, tmp_path / "report", mode="smoke")
+    page = index.read_text()
+    assert "inconclusive" in page and "95% interval" in page and "Precondition" in page
+    assert "the gain is above the floor" in page and "Settings changed" in page
+    summary = json.loads((tmp_path / "report" / "summary.json").read_text())
+    rec = next(p for p in summary["papers"] if p["id"] == "lora")
+    assert rec["verdict"] == "inconclusive" and rec["reason"].startswith("precondition failed")
+    assert rec["checks"][0]["kind"] == "claim" and len(rec["checks"][0]["ci"]) == 2
+    assert rec["overrides"] == {"floor": 5.0} and summary["counts"]["inconclusive"] == 1

@@ -3,8 +3,10 @@
 * :func:`reproduce` (from :mod:`rankwise.repro.harness`) runs one paper's reproduction, with caching;
 * :func:`run_report` / :func:`build_report` (from :mod:`rankwise.repro.report`) run all of them and
   write the HTML report;
-* :class:`ReproResult`, :class:`Table`, :class:`ClaimCheck` (from :mod:`rankwise.repro.result`) are
-  what a reproduction module returns.
+* :class:`ReproResult`, :class:`Table`, :class:`ClaimCheck`, :class:`Precondition` (from
+  :mod:`rankwise.repro.result`) are what a reproduction returns;
+* :class:`Reproduction`, :class:`Settings`, :func:`setting` (from :mod:`rankwise.repro.skeleton`) are what a
+  reproduction module declares (see ``docs/reproductions-howto.md``).
 
 The names are loaded lazily so that ``import rankwise.repro.<id>`` stays cheap.
 """
@@ -22,7 +24,11 @@ _EXPORTS = {
     "ReproResult": "rankwise.repro.result",
     "Table": "rankwise.repro.result",
     "ClaimCheck": "rankwise.repro.result",
+    "Precondition": "rankwise.repro.result",
     "environment": "rankwise.repro.result",
+    "Reproduction": "rankwise.repro.skeleton",
+    "Settings": "rankwise.repro.skeleton",
+    "setting": "rankwise.repro.skeleton",
 }
 
 __all__ = list(_EXPORTS)

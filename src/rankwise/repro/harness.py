@@ -57,7 +57,12 @@ from rankwise.repro.result import (
     atomic_write_text,
     environment,
 )
+from rankwise.repro.inputs import ensure_writable, resolve_seeds, validate_mode
 from rankwise.repro.skeleton import Reproduction, normalise_overrides
+
+__all__ = ["reproduce", "load_result", "load_module", "reproduction_class", "available", "cache_dir", "cache_key",
+           "code_files", "code_version", "default_out_dir", "ensure_writable", "resolve_seeds", "validate_mode",
+           "ReproductionUnavailable", "ReproContractError", "DEFAULT_SEEDS", "MODES"]
 
 log = logging.getLogger(__name__)
 
@@ -78,57 +83,9 @@ class ReproContractError(RankwiseError):
 # Inputs
 
 
-def validate_mode(mode: str) -> str:
-    """Return ``mode`` if it is one of :data:`~rankwise.repro.result.MODES`, else raise ValueError."""
-    if not isinstance(mode, str) or mode not in MODES:
-        raise ValueError(f"mode must be one of {', '.join(MODES)}; got {mode!r}")
-    return mode
-
-
-def resolve_seeds(mode: str, seeds: Sequence[int] | None) -> list[int]:
-    """The seeds to run: ``seeds`` validated, or the mode's default (``DEFAULT_SEEDS[mode]``)."""
-    if seeds is None:
-        return list(DEFAULT_SEEDS[validate_mode(mode)])
-    if isinstance(seeds, (str, bytes)) or not hasattr(seeds, "__iter__"):
-        raise TypeError(f"seeds must be a sequence of integers, got {type(seeds).__name__}")
-    out: list[int] = []
-    for s in seeds:
-        if isinstance(s, bool) or not hasattr(s, "__index__"):
-            raise TypeError(f"seeds must be integers, got {s!r} ({type(s).__name__})")
-        s = int(s)
-        if s < 0:
-            raise ValueError(f"seeds must be non-negative integers, got {s}")
-        out.append(s)
-    if not out:
-        raise ValueError("seeds must not be empty")
-    if len(set(out)) != len(out):
-        raise ValueError(f"seeds must be distinct, got {out}")
-    return out
-
-
 def default_out_dir(id: str) -> Path:
     """Where ``rankwise reproduce ID`` writes by default: ``runs/<id>`` in the working directory."""
     return Path("runs") / id
-
-
-def ensure_writable(out_dir: Path | str) -> Path:
-    """Create ``out_dir`` if needed and check that a file can be written there.
-
-    Raises :class:`PermissionError` with the folder and the reason, so that a run never starts
-    only to fail when it saves its result.
-    """
-    out = Path(out_dir).expanduser()
-    if out.exists() and not out.is_dir():
-        raise PermissionError(f"cannot write to output folder {out}: it exists and is not a folder")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(prefix=".rankwise-probe-", dir=out)
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as e:
-        reason = e.strerror or str(e)
-        raise PermissionError(f"cannot write to output folder {out}: {reason}") from None
-    return out
 
 
 def available() -> list[str]:
@@ -445,6 +402,7 @@ def reproduce(
     norm = normalise_overrides(overrides)
     if cls is not None:
         settings = cls.settings_for(mode, overrides)  # validates the overrides before anything runs
+        norm = cls.settings[mode].canonical_overrides(overrides)
         if seeds is None and settings.seeds is not None:
             seeds = settings.seeds
         run = functools.partial(cls.run, overrides=overrides)

@@ -22,20 +22,25 @@ r = 16, l = 4, T = 50; GaLore (galore-torch): r = 16, T = 50, scale 0.25.
 Measured: validation loss every ``eval_every`` steps; steps for Alice to reach AdamW's final loss
 (linear interpolation between evaluations); optimizer-state bytes (all state tensors, and those of
 the 2-D block weights alone); time per step.
+
+The sizes, model and optimizers are :class:`RacsAliceSettings` (``SETTINGS[mode]``; ``rankwise reproduce
+racs_alice --set steps=300 optimizers=adamw,alice``). "RACS keeps exactly m + n + 1 floats per matrix"
+is a ``wiring`` check (an invariant of the implementation); the others are ``claim`` checks.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
-from rankwise.repro.result import MODES, ClaimCheck, ReproResult, Table, environment
+from rankwise.repro.result import ClaimCheck, Table
+from rankwise.repro.skeleton import Records, Reproduction, Settings, pyplot, save_figure, setting
 
 logger = logging.getLogger(__name__)
 
@@ -53,32 +58,54 @@ EVERY_SEED = ("adamw", "alice")  # claim (i) is a mean over seeds
 COLUMNS = ["final_val_loss", "steps_to_adamw_final", "state_bytes", "matrix_state_bytes", "ms_per_step", "lr"]
 
 
-@dataclass(frozen=True)
-class _Setup:
-    steps: int
-    seq_len: int
-    batch_size: int
-    eval_windows: int
-    eval_every: int
-    model: dict[str, Any]
-    rank: int
-    leading_basis: int
-    update_interval: int
-    optimizers: tuple[str, ...]
-    n_seeds_others: int  # AdamW and Alice run every seed; the others the first n (ports: the first)
-    sweep_steps: int | None  # None: no sweep (default learning rates)
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RacsAliceSettings(Settings):
+    """What the RACS / Alice reproduction runs; ``SETTINGS[mode]`` holds each mode's values."""
+
+    steps: int = setting(150, "training steps (horizon T of every run)", lo=1)
+    seq_len: int = setting(128, "tokens (bytes) per sequence", lo=2)
+    batch_size: int = setting(16, "sequences per step", lo=1)
+    eval_windows: int = setting(32, "validation windows", lo=1)
+    eval_every: int = setting(25, "steps between validation evaluations", lo=1)
+    hidden_size: int = setting(64, "tiny Llama hidden size", lo=1)
+    intermediate_size: int = setting(172, "tiny Llama FFN size", lo=1)
+    num_hidden_layers: int = setting(2, "tiny Llama layers", lo=1)
+    num_attention_heads: int = setting(4, "attention heads", lo=1)
+    num_key_value_heads: int = setting(4, "key/value heads", lo=1)
+    rank: int = setting(16, "rank r of Alice and GaLore", lo=1)
+    leading_basis: int = setting(4, "Alice's leading basis l", lo=1)
+    update_interval: int = setting(50, "projection update interval T of Alice and GaLore", lo=1)
+    optimizers: tuple[str, ...] = setting(("adamw", "racs", "alice", "galore"), "optimizers run (adamw, adafactor, "
+                                          "galore, racs, alice, racs_port, alice_port)")
+    n_seeds_others: int = setting(1, "seeds of the optimizers other than AdamW and Alice (ports: the first)", lo=1)
+    sweep_steps: int | None = setting(None, "steps of the 3-point learning-rate sweep on the first seed (None: "
+                                            "default rates)", lo=1)
+
+    def validate(self) -> None:
+        for n in self.optimizers:
+            if n not in NAMES:
+                raise ValueError(f"RacsAliceSettings.optimizers must hold names of {', '.join(NAMES)}, got {n!r}")
+        for n in ("adamw", "alice", "racs"):
+            if n not in self.optimizers:
+                raise ValueError(f"RacsAliceSettings.optimizers must include {n!r} (the claims use it)")
+
+    @property
+    def model(self) -> dict[str, Any]:
+        return dict(hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+                    num_hidden_layers=self.num_hidden_layers, num_attention_heads=self.num_attention_heads,
+                    num_key_value_heads=self.num_key_value_heads, vocab_size=256, max_position_embeddings=256)
 
 
-_MODEL = dict(hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=4, vocab_size=256, max_position_embeddings=256)
-SETUPS = {
-    "smoke": _Setup(10, 32, 4, 4, 5, dict(_MODEL, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=2),
-                    8, 2, 5, ("adamw", "racs", "alice"), 1, None),
-    "quick": _Setup(150, 128, 16, 32, 25, _MODEL, 16, 4, 50, ("adamw", "racs", "alice", "galore"), 1, None),
-    "full": _Setup(500, 128, 16, 64, 50, _MODEL, 16, 4, 50,
-                   ("adamw", "adafactor", "galore", "racs", "alice", "racs_port", "alice_port"), 2, 125),
+SETTINGS: dict[str, RacsAliceSettings] = {
+    "smoke": RacsAliceSettings(steps=10, seq_len=32, batch_size=4, eval_windows=4, eval_every=5, hidden_size=32,
+                               intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+                               rank=8, leading_basis=2, update_interval=5, optimizers=("adamw", "racs", "alice")),
+    "quick": RacsAliceSettings(),
+    "full": RacsAliceSettings(steps=500, eval_windows=64, eval_every=50,
+                              optimizers=("adamw", "adafactor", "galore", "racs", "alice", "racs_port", "alice_port"),
+                              n_seeds_others=2, sweep_steps=125),
 }
+_Setup = RacsAliceSettings
 
 
 def _hp(name: str, s: _Setup) -> dict[str, Any]:
@@ -129,10 +156,7 @@ def _mean_curve_reach(alice: list[dict[str, Any]], adamw: list[dict[str, Any]]) 
 
 
 def _plots(out_dir: Path, runs: dict[str, list[dict[str, Any]]], table: Table, steps: int) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     figs = []
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
@@ -149,9 +173,7 @@ def _plots(out_dir: Path, runs: dict[str, list[dict[str, Any]]], table: Table, s
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(out_dir / "loss_curves.png", dpi=110)
-    plt.close(fig)
-    figs.append("loss_curves.png")
+    figs.append(save_figure(fig, out_dir / "loss_curves.png"))
     fig, ax = plt.subplots(figsize=(6.4, 3.8))
     names = [n for n in runs if table.values(NAMES[n], "state_bytes")]
     vals = [table.mean(NAMES[n], "state_bytes") / 1024 for n in names]
@@ -163,31 +185,14 @@ def _plots(out_dir: Path, runs: dict[str, list[dict[str, Any]]], table: Table, s
     ax.set_ylabel("optimizer state (KiB)")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out_dir / "state_bytes.png", dpi=110)
-    plt.close(fig)
-    figs.append("state_bytes.png")
+    figs.append(save_figure(fig, out_dir / "state_bytes.png"))
     return figs
 
 
-def run(mode: str, seeds: Sequence[int], out_dir: Path) -> ReproResult:
-    """Run the reproduction in ``mode`` (``smoke``, ``quick``, ``full``) and save ``result.json``."""
-    from rankwise import zoo
-    from rankwise.train.pretrain import byte_stream, eval_windows, steps_to_reach
-
-    if mode not in MODES:
-        raise ValueError(f"mode={mode!r} must be one of {list(MODES)}")
-    seeds = [int(x) for x in seeds]
-    if not seeds:
-        raise ValueError("at least one seed is required")
-    t_start = time.perf_counter()
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    s = SETUPS[mode]
-    use_seeds = seeds
-    corpus = zoo.corpus()
-    data = {"train": byte_stream(d.text for d in corpus.split("train")),
-            "eval": eval_windows(byte_stream(d.text for d in corpus.split("eval")), s.seq_len, s.eval_windows)}
-
+def _sweep(s: RacsAliceSettings, seed: int, data: dict[str, torch.Tensor]
+           ) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
+    """Learning rates: the defaults, or the 3-point sweep on ``seed`` at ``sweep_steps`` steps."""
+    use_seeds = [seed]
     # learning rates: defaults, or the 3-point sweep (first seed, quarter horizon)
     lrs = {n: DEFAULT_LR[n.replace("_port", "")] for n in s.optimizers}
     sweep: dict[str, dict[str, float]] = {}
@@ -203,12 +208,11 @@ def run(mode: str, seeds: Sequence[int], out_dir: Path) -> ReproResult:
             if port in lrs:
                 lrs[port] = lrs[port.replace("_port", "")]
 
-    runs: dict[str, list[dict[str, Any]]] = {n: [] for n in s.optimizers}
-    for i, seed in enumerate(use_seeds):
-        for name in s.optimizers:
-            if name not in EVERY_SEED and i >= (1 if name.endswith("_port") else s.n_seeds_others):
-                continue
-            runs[name].append(_run_one(name, lrs[name], lrs["adamw"], seed, s.steps, s, data))
+    return lrs, sweep
+
+
+def _table(runs: dict[str, list[dict[str, Any]]]) -> Table:
+    from rankwise.train.pretrain import steps_to_reach
 
     table = Table(columns=COLUMNS, notes={
         "final_val_loss": "nats per byte on the eval split, lower is better",
@@ -230,6 +234,10 @@ def run(mode: str, seeds: Sequence[int], out_dir: Path) -> ReproResult:
             table.add(row, "ms_per_step", r["ms_per_step"])
             table.add(row, "lr", r["lr"])
 
+    return table
+
+
+def _checks(s: RacsAliceSettings, runs: dict[str, list[dict[str, Any]]], table: Table) -> list[ClaimCheck]:
     T = s.steps
     checks = []
     alice_frac = [table.values("Alice", "steps_to_adamw_final")[i] / T for i in range(len(runs["alice"]))]
@@ -244,14 +252,20 @@ def run(mode: str, seeds: Sequence[int], out_dir: Path) -> ReproResult:
                                  "<=", 0.05, unit="nats"))
     racs = runs["racs"][0]
     checks.append(ClaimCheck("RACS keeps exactly m + n + 1 floats per matrix (|state bytes - 4 sum(m+n+1)|)",
-                             abs(racs["matrix_state_bytes"] - 4 * racs["matrix_floats"]), "<=", 0, unit="bytes"))
+                             abs(racs["matrix_state_bytes"] - 4 * racs["matrix_floats"]), "<=", 0, unit="bytes",
+                             kind="wiring"))
     if "galore" in runs:
         b = {n: table.mean(NAMES[n], "state_bytes") for n in ("racs", "galore", "alice", "adamw")}
         checks.append(ClaimCheck("optimizer state: RACS < GaLore", b["galore"] - b["racs"], ">", 0, unit="bytes"))
         checks.append(ClaimCheck("optimizer state: GaLore <= Alice", b["alice"] - b["galore"], ">=", 0, unit="bytes"))
         checks.append(ClaimCheck("optimizer state: Alice < AdamW", b["adamw"] - b["alice"], ">", 0, unit="bytes"))
 
-    figures = _plots(out_dir, runs, table, T)
+    return checks
+
+
+def _notes(s: RacsAliceSettings, mode: str, use_seeds: list[int], runs: dict[str, list[dict[str, Any]]],
+           table: Table, checks: list[ClaimCheck], lrs: dict[str, float], sweep: dict[str, Any]) -> str:
+    T = s.steps
     notes = [
         f"{mode} mode: {T} steps; AdamW and Alice ran seeds {use_seeds}, the other optimizers the first "
         f"{min(s.n_seeds_others, len(use_seeds))} (ports: the first); learning rates {', '.join(f'{NAMES[n]} {lr:.3g}' for n, lr in lrs.items())}.",
@@ -290,17 +304,63 @@ def run(mode: str, seeds: Sequence[int], out_dir: Path) -> ReproResult:
         if any(c.statement.startswith("Alice") for c in failed):
             notes.append("The spec expects Alice's speed-up only qualitatively at this scale (a few hundred steps of "
                          "a 0.1M-parameter model); the measurement is reported as is.")
-    result = ReproResult(
-        id=ID, mode=mode, seeds=use_seeds, claim=CLAIM, table=table, checks=checks, figures=figures,
-        notes=" ".join(notes),
-        config={"steps": T, "seq_len": s.seq_len, "batch_size": s.batch_size, "eval_windows": s.eval_windows,
+    return " ".join(notes)
+
+
+class RacsAliceReproduction(Reproduction[RacsAliceSettings, dict]):
+    id = ID
+    claim = CLAIM
+    settings = SETTINGS
+
+    def measure(self, s: RacsAliceSettings, seed: int) -> dict[str, list[dict[str, Any]]]:
+        from rankwise import zoo
+        from rankwise.train.pretrain import byte_stream, eval_windows
+
+        if not hasattr(self, "data"):
+            self.corpus = zoo.corpus()
+            self.data = {"train": byte_stream(d.text for d in self.corpus.split("train")),
+                         "eval": eval_windows(byte_stream(d.text for d in self.corpus.split("eval")), s.seq_len,
+                                              s.eval_windows)}
+            self.lrs, self.sweep = _sweep(s, seed, self.data)
+            self.i = 0
+        i, lrs = self.i, self.lrs
+        self.i += 1
+        runs: dict[str, list[dict[str, Any]]] = {n: [] for n in s.optimizers}
+        for name in s.optimizers:
+            if name not in EVERY_SEED and i >= (1 if name.endswith("_port") else s.n_seeds_others):
+                continue
+            runs[name].append(_run_one(name, lrs[name], lrs["adamw"], seed, s.steps, s, self.data))
+        return runs
+
+    def _runs(self, records: Records[dict]) -> dict[str, list[dict[str, Any]]]:
+        return {n: [r for rec in records for r in rec[n]] for n in records.first}
+
+    def table(self, s: RacsAliceSettings, records: Records[dict]) -> Table:
+        self._table = _table(self._runs(records))
+        return self._table
+
+    def checks(self, s: RacsAliceSettings, records: Records[dict]) -> list[ClaimCheck]:
+        self._checks = _checks(s, self._runs(records), self._table)
+        return self._checks
+
+    def figures(self, s: RacsAliceSettings, records: Records[dict], out_dir: Path) -> list[str]:
+        return _plots(out_dir, self._runs(records), self._table, s.steps)
+
+    def notes(self, s: RacsAliceSettings, records: Records[dict]) -> str:
+        mode = next((m for m, v in SETTINGS.items() if v == s), "custom")
+        return _notes(s, mode, records.seeds, self._runs(records), self._table, self._checks, self.lrs, self.sweep)
+
+    def config(self, s: RacsAliceSettings, records: Records[dict]) -> dict[str, Any]:
+        return {"steps": s.steps, "seq_len": s.seq_len, "batch_size": s.batch_size, "eval_windows": s.eval_windows,
                 "eval_every": s.eval_every, "model": s.model, "alice": {"rank": s.rank, "leading_basis": s.leading_basis,
                 "update_interval": s.update_interval}, "galore": {"rank": s.rank, "update_interval": s.update_interval,
-                "scale": 0.25}, "lrs": lrs, "sweep_steps": s.sweep_steps, "optimizers": list(s.optimizers),
-                "corpus_sha256": corpus.info.get("sha256")},
-        wall_time_s=time.perf_counter() - t_start, environment=environment(use_seeds),
-        extra={"curves": {n: [{"seed": r["seed"], "lr": r["lr"], "steps": r["steps"], "losses": r["losses"]}
-                              for r in rs] for n, rs in runs.items()}, "sweep": sweep},
-    )
-    result.save(out_dir)
-    return result
+                "scale": 0.25}, "lrs": self.lrs, "sweep_steps": s.sweep_steps, "optimizers": list(s.optimizers),
+                "corpus_sha256": self.corpus.info.get("sha256")}
+
+    def extra(self, s: RacsAliceSettings, records: Records[dict]) -> dict[str, Any]:
+        return {"curves": {n: [{"seed": r["seed"], "lr": r["lr"], "steps": r["steps"], "losses": r["losses"]}
+                               for r in rs] for n, rs in self._runs(records).items()}, "sweep": self.sweep}
+
+
+REPRODUCTION = RacsAliceReproduction
+run = RacsAliceReproduction.run

@@ -21,21 +21,28 @@ Claims (spec): (a) invariance -- from ``(M R, N R^{-T})`` with R of condition nu
 after ``inv_steps`` steps differs by < 1e-6 relative (float64) while AdamW's differs by > 1e-2; (b)
 parity -- AdamS's final train loss (mean of the last 10 steps, mean over seeds) <= 1.02 x AdamW's and
 its test accuracy >= AdamW's - 1 point; the same for LRACS; (c) AdamS step time <= 1.5 x AdamW's.
+
+(a) is a pair of ``wiring`` checks (the invariance holds, and AdamW's does not, by construction); (b)
+and (c) are ``claim`` checks, the accuracy ones with their paired per-example test differences. The sizes,
+budget and learning rates are :class:`RiemannianSettings` (``SETTINGS[mode]``; ``rankwise reproduce
+riemannian_lora --set steps=120 layers=1``).
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import nn
 
-from rankwise.repro.result import ClaimCheck, ReproResult, Table, environment
+from rankwise.repro.result import ClaimCheck, Table
+from rankwise.repro.skeleton import Records, Reproduction, Settings, pyplot, save_figure, setting
 
 ID = "riemannian_lora"
 TASK = "topic"
@@ -56,13 +63,33 @@ GRID = {"AdamW": (3e-4, 1e-3, 3e-3), "LoRA+": (1e-4, 3e-4, 1e-3), "AdamS": (1e-3
         "LRACS": (1e-2, 3e-2, 1e-1)}
 WD_GRID = (0.0, 0.01, 0.1)
 
-SETTINGS: dict[str, dict[str, Any]] = {
-    "smoke": dict(layers=1, steps=5, batch=8, max_length=16, max_train=48, max_test=32, n_val=16, inv_steps=4,
-                  sweep=False),
-    "quick": dict(layers=2, steps=60, batch=16, max_length=16, max_train=None, max_test=None, n_val=N_VAL,
-                  inv_steps=20, sweep=False),
-    "full": dict(layers=2, steps=120, batch=16, max_length=16, max_train=None, max_test=None, n_val=N_VAL,
-                 inv_steps=50, sweep=True),
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RiemannianSettings(Settings):
+    """What the LoRA-S reproduction runs; ``SETTINGS[mode]`` holds each mode's values."""
+
+    task: str = setting(TASK, "zoo text task (rankwise.zoo.text_task)")
+    layers: int = setting(2, "adapted top BERT layers (the lower ones are cached)", lo=1, hi=6)
+    steps: int = setting(60, "training steps of every optimizer", lo=1)
+    batch: int = setting(16, "examples per step", lo=1)
+    max_length: int = setting(16, "tokens per input", lo=1)
+    max_train: int | None = setting(None, "training examples (None: all)", lo=1)
+    max_test: int | None = setting(None, "test examples (None: all)", lo=1)
+    n_val: int = setting(N_VAL, "training examples held out for validation", lo=1)
+    inv_steps: int = setting(20, "steps of the invariance check", lo=1)
+    sweep: bool = setting(False, "sweep each optimizer's lr (and AdamW/LoRA+ weight decay) on seed 0")
+    lr_adamw: float = setting(QUICK_LR["AdamW"], "AdamW learning rate without the sweep", lo=0.0)
+    lr_loraplus: float = setting(QUICK_LR["LoRA+"], "LoRA+ learning rate without the sweep", lo=0.0)
+    lr_adams: float = setting(QUICK_LR["AdamS"], "AdamS learning rate without the sweep", lo=0.0)
+    lr_lracs: float = setting(QUICK_LR["LRACS"], "LRACS learning rate without the sweep", lo=0.0)
+
+    def learning_rates(self) -> dict[str, float]:
+        return {"AdamW": self.lr_adamw, "LoRA+": self.lr_loraplus, "AdamS": self.lr_adams, "LRACS": self.lr_lracs}
+
+
+SETTINGS: dict[str, RiemannianSettings] = {
+    "smoke": RiemannianSettings(layers=1, steps=5, batch=8, max_train=48, max_test=32, n_val=16, inv_steps=4),
+    "quick": RiemannianSettings(),
+    "full": RiemannianSettings(steps=120, inv_steps=50, sweep=True),
 }
 COLUMNS = ["final train loss", "test accuracy", "val accuracy", "median step (ms)", "lr", "weight decay",
            "|M|/|N| balance"]
@@ -95,7 +122,7 @@ def _prepare(S: dict[str, Any]) -> dict[str, Any]:
     """Load the model and task, tokenize, cache the frozen lower layers' outputs (float32)."""
     from rankwise import zoo
 
-    task = zoo.text_task(TASK, seed=0, max_train=S["max_train"], max_test=S["max_test"])
+    task = zoo.text_task(S["task"], seed=0, max_train=S["max_train"], max_test=S["max_test"])
     base, tok = zoo.minilm_classifier(task.num_labels if hasattr(task, "num_labels") else len(task.labels), seed=0)
     base.eval()
     n_layers = len(base.bert.encoder.layer)
@@ -197,6 +224,17 @@ def _accuracy(top: _Top, P: dict[str, Any], split: str) -> float:
     return correct / max(len(y), 1)
 
 
+@torch.no_grad()
+def _correct(top: _Top, P: dict[str, Any], split: str) -> list[float]:
+    """1.0 / 0.0 per example of ``split``: whether the prediction is right (the terms of :func:`_accuracy`)."""
+    h, mk, y = P["cache"][split]
+    out: list[float] = []
+    for i in range(0, len(y), 128):
+        logits = top(h[i:i + 128], _mask4(mk[i:i + 128], h.dtype))
+        out += (logits.argmax(-1) == y[i:i + 128]).double().tolist()
+    return out
+
+
 def _balance(pairs: list[Any]) -> float:
     """Mean over pairs of ||M||_F / ||N||_F (M = s B, N = A^T)."""
     with torch.no_grad():
@@ -239,6 +277,7 @@ def _train(P: dict[str, Any], runs: dict[str, tuple[str, float, float]], seed: i
         out[label] = dict(
             loss=statistics.fmean(tail) if ok else float("nan"), losses=st["losses"],
             test=_accuracy(st["top"], P, "test") if ok else float("nan"),
+            correct=_correct(st["top"], P, "test") if ok else None,
             val=_accuracy(st["top"], P, "val") if ok else float("nan"),
             ms=1000 * statistics.median(st["times"][1:] or st["times"]), lr=st["lr"], wd=st["wd"],
             balance=_balance(st["pairs"]), diverged=st["diverged"])
@@ -299,11 +338,7 @@ def _invariance(P: dict[str, Any], S: dict[str, Any]) -> dict[str, Any]:
 
 
 def _figure(out_dir: Path, per_seed: list[dict[str, dict[str, Any]]], inv: dict[str, Any]) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for label in per_seed[0]:
         curves = [r[label]["losses"] for r in per_seed if len(r[label]["losses"]) == len(per_seed[0][label]["losses"])]
@@ -322,12 +357,7 @@ def _figure(out_dir: Path, per_seed: list[dict[str, dict[str, Any]]], inv: dict[
     ax2.set_title("invariance to (M R, N R^-T), cond(R) = 10, float64")
     ax2.legend()
     fig.tight_layout()
-    name = "riemannian_lora.png"
-    tmp = out_dir / (name + ".tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    tmp.replace(out_dir / name)
-    return name
+    return save_figure(fig, out_dir / "riemannian_lora.png")
 
 
 def _select(P: dict[str, Any], S: dict[str, Any]) -> tuple[dict[str, tuple[str, float, float]], dict[str, Any]]:
@@ -348,86 +378,106 @@ def _select(P: dict[str, Any], S: dict[str, Any]) -> tuple[dict[str, tuple[str, 
     return {n: (n, best[n]["lr"], best[n]["wd"]) for n in GRID}, sweep
 
 
-def run(mode: str, seeds: Sequence[int], out_dir: Path) -> ReproResult:
-    """Run the LoRA-S reproduction in ``mode`` for ``seeds``; writes the figure and result.json to ``out_dir``."""
-    if mode not in SETTINGS:
-        raise ValueError(f"mode must be one of {list(SETTINGS)}, got {mode!r}")
-    seeds = [int(s) for s in seeds]
-    if not seeds:
-        raise ValueError("seeds must hold at least one seed")
-    t0 = time.perf_counter()
-    S = SETTINGS[mode]
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    P = _prepare(S)
-    sweep: dict[str, Any] = {}
-    if S["sweep"]:
-        runs, sweep = _select(P, S)
-    else:
-        runs = {n: (n, QUICK_LR[n], 0.0) for n in QUICK_LR}
-    per_seed = [_train(P, runs, s, S) for s in seeds]
-    inv = _invariance(P, S)
+def _paired(per_seed: list[dict[str, dict[str, Any]]], a: str, b: str) -> list[list[float]] | None:
+    """Per-example test differences a - b per seed (None when a run diverged)."""
+    if any(r[a]["correct"] is None or r[b]["correct"] is None for r in per_seed):
+        return None
+    return [[x - y for x, y in zip(r[a]["correct"], r[b]["correct"])] for r in per_seed]
 
-    table = Table(columns=list(COLUMNS), notes={
-        "final train loss": "mean cross-entropy of the last 10 steps (lower is better)",
-        "test accuracy": f"{P['n_test']} test examples", "val accuracy": f"{P['n_val']} held-out training examples",
-        "median step (ms)": "forward + backward + optimizer step, lock-stepped, under the machine's load",
-        "|M|/|N| balance": "mean over LoRA pairs of ||s B|| / ||A|| after training"})
-    for res in per_seed:
-        for label, r in res.items():
-            table.add(label, "final train loss", r["loss"])
-            table.add(label, "test accuracy", r["test"])
-            table.add(label, "val accuracy", r["val"])
-            table.add(label, "median step (ms)", r["ms"])
-            table.add(label, "lr", r["lr"])
-            table.add(label, "weight decay", r["wd"])
-            table.add(label, "|M|/|N| balance", r["balance"])
 
-    def mean(row: str, col: str) -> float:
-        return table.mean(row, col)
+class RiemannianReproduction(Reproduction[RiemannianSettings, dict]):
+    id = ID
+    claim = CLAIM
+    settings = SETTINGS
 
-    time_ratio = statistics.median(
-        [res["AdamS"]["ms"] / res["AdamW"]["ms"] for res in per_seed])
-    checks = [
-        ClaimCheck(f"(a) AdamS invariance: relative X difference after {S['inv_steps']} steps from (MR, NR^-T), "
-                   "float64", inv["adams"], "<", 1e-6),
-        ClaimCheck(f"(a) AdamW is not invariant: relative X difference after {S['inv_steps']} steps",
-                   inv["adamw"], ">", 1e-2),
-        ClaimCheck("(b) AdamS train-loss parity: mean final train loss AdamS / AdamW",
-                   mean("AdamS", "final train loss") / mean("AdamW", "final train loss"), "<=", 1.02, unit="x"),
-        ClaimCheck("(b) AdamS accuracy parity: mean test accuracy AdamS - AdamW (1 point = 0.01)",
-                   mean("AdamS", "test accuracy") - mean("AdamW", "test accuracy"), ">=", -0.01),
-        ClaimCheck("(b) LRACS train-loss parity: mean final train loss LRACS / AdamW",
-                   mean("LRACS", "final train loss") / mean("AdamW", "final train loss"), "<=", 1.02, unit="x"),
-        ClaimCheck("(b) LRACS accuracy parity: mean test accuracy LRACS - AdamW (1 point = 0.01)",
-                   mean("LRACS", "test accuracy") - mean("AdamW", "test accuracy"), ">=", -0.01),
-        ClaimCheck("(c) AdamS overhead: median step time AdamS / AdamW", time_ratio, "<=", 1.5, unit="x"),
-    ]
-    figures = [_figure(out_dir, per_seed, inv)]
-    diverged = {f"{label} (seed {s})": r["diverged"] for s, res in zip(seeds, per_seed)
-                for label, r in res.items() if r["diverged"]}
-    strictly = {n: (mean(n, "final train loss") < mean("AdamW", "final train loss"),
-                    mean(n, "test accuracy") > mean("AdamW", "test accuracy")) for n in ("AdamS", "LRACS")}
-    notes = _notes(mode, table, inv, strictly, diverged, P)
-    config = {"task": TASK, "labels": P["labels"], "n_train": P["n_train"], "n_val": P["n_val"], "n_test": P["n_test"],
-              "adapted_layers": S["layers"], "steps": S["steps"], "batch_size": S["batch"],
-              "max_length": S["max_length"], "rank": RANK, "alpha": ALPHA, "targets": list(TARGETS),
-              "init": "offset (A, B ~ N(0, 0.02^2), W0 -= s B0 A0)", "head_lr": HEAD_LR,
-              "loraplus_ratio": LORAPLUS_RATIO, "learning_rates": {k: v[1] for k, v in runs.items()},
-              "weight_decay": {k: v[2] for k, v in runs.items()}, "lr_grid": GRID if S["sweep"] else None,
-              "wd_grid": WD_GRID if S["sweep"] else None, "invariance_steps": S["inv_steps"],
-              "wiring_max_abs_logit_diff": P["wiring"], "threads": torch.get_num_threads()}
-    extra = {"sweep": sweep, "invariance": inv["curves"],
-             "loss_curves": {label: [r[label]["losses"] for r in per_seed] for label in per_seed[0]}}
-    result = ReproResult(id=ID, mode=mode, seeds=seeds, claim=CLAIM, table=table, checks=checks, figures=figures,
-                         notes=notes, config=config, wall_time_s=time.perf_counter() - t0,
-                         environment=environment(seeds), extra=extra)
-    result.save(out_dir)
-    return result
+    def _prepare(self, S: dict[str, Any], lrs: dict[str, float]) -> None:
+        self.P = _prepare(S)
+        self.sweep: dict[str, Any] = {}
+        if S["sweep"]:
+            self.runs, self.sweep = _select(self.P, S)
+        else:
+            self.runs = {n: (n, lrs[n], 0.0) for n in lrs}
+
+    def measure(self, settings: RiemannianSettings, seed: int) -> dict[str, dict[str, Any]]:
+        S = dataclasses.asdict(settings)
+        if not hasattr(self, "P"):
+            self._prepare(S, settings.learning_rates())
+        return _train(self.P, self.runs, seed, S)
+
+    def measure_joint(self, settings: RiemannianSettings, records: Records[dict]) -> dict[str, Any]:
+        return _invariance(self.P, dataclasses.asdict(settings))
+
+    def table(self, settings: RiemannianSettings, records: Records[dict]) -> Table:
+        P = self.P
+        table = Table(columns=list(COLUMNS), notes={
+            "final train loss": "mean cross-entropy of the last 10 steps (lower is better)",
+            "test accuracy": f"{P['n_test']} test examples", "val accuracy": f"{P['n_val']} held-out training examples",
+            "median step (ms)": "forward + backward + optimizer step, lock-stepped, under the machine's load",
+            "|M|/|N| balance": "mean over LoRA pairs of ||s B|| / ||A|| after training"})
+        for res in records:
+            for label, r in res.items():
+                table.add(label, "final train loss", r["loss"])
+                table.add(label, "test accuracy", r["test"])
+                table.add(label, "val accuracy", r["val"])
+                table.add(label, "median step (ms)", r["ms"])
+                table.add(label, "lr", r["lr"])
+                table.add(label, "weight decay", r["wd"])
+                table.add(label, "|M|/|N| balance", r["balance"])
+        self._table = table
+        return table
+
+    def checks(self, settings: RiemannianSettings, records: Records[dict]) -> list[ClaimCheck]:
+        mean, inv, per_seed = self._table.mean, records.joint, list(records)
+        time_ratio = statistics.median([res["AdamS"]["ms"] / res["AdamW"]["ms"] for res in per_seed])
+        return [
+            ClaimCheck(f"(a) AdamS invariance: relative X difference after {settings.inv_steps} steps from (MR, NR^-T), "
+                       "float64", inv["adams"], "<", 1e-6, kind="wiring"),
+            ClaimCheck(f"(a) AdamW is not invariant: relative X difference after {settings.inv_steps} steps",
+                       inv["adamw"], ">", 1e-2, kind="wiring"),
+            ClaimCheck("(b) AdamS train-loss parity: mean final train loss AdamS / AdamW",
+                       mean("AdamS", "final train loss") / mean("AdamW", "final train loss"), "<=", 1.02, unit="x"),
+            ClaimCheck("(b) AdamS accuracy parity: mean test accuracy AdamS - AdamW (1 point = 0.01)",
+                       mean("AdamS", "test accuracy") - mean("AdamW", "test accuracy"), ">=", -0.01,
+                       samples=_paired(per_seed, "AdamS", "AdamW")),
+            ClaimCheck("(b) LRACS train-loss parity: mean final train loss LRACS / AdamW",
+                       mean("LRACS", "final train loss") / mean("AdamW", "final train loss"), "<=", 1.02, unit="x"),
+            ClaimCheck("(b) LRACS accuracy parity: mean test accuracy LRACS - AdamW (1 point = 0.01)",
+                       mean("LRACS", "test accuracy") - mean("AdamW", "test accuracy"), ">=", -0.01,
+                       samples=_paired(per_seed, "LRACS", "AdamW")),
+            ClaimCheck("(c) AdamS overhead: median step time AdamS / AdamW", time_ratio, "<=", 1.5, unit="x"),
+        ]
+
+    def figures(self, settings: RiemannianSettings, records: Records[dict], out_dir: Path) -> list[str]:
+        return [_figure(out_dir, list(records), records.joint)]
+
+    def notes(self, settings: RiemannianSettings, records: Records[dict]) -> str:
+        mean = self._table.mean
+        diverged = {f"{label} (seed {s})": r["diverged"] for s, res in records.items()
+                    for label, r in res.items() if r["diverged"]}
+        strictly = {n: (mean(n, "final train loss") < mean("AdamW", "final train loss"),
+                        mean(n, "test accuracy") > mean("AdamW", "test accuracy")) for n in ("AdamS", "LRACS")}
+        mode = next((m for m, s in SETTINGS.items() if s == settings), "custom")
+        return _notes(mode, self._table, records.joint, strictly, diverged, self.P, settings.sweep)
+
+    def config(self, settings: RiemannianSettings, records: Records[dict]) -> dict[str, Any]:
+        P, runs, S = self.P, self.runs, settings
+        return {"task": S.task, "labels": P["labels"], "n_train": P["n_train"], "n_val": P["n_val"],
+                "n_test": P["n_test"], "adapted_layers": S.layers, "steps": S.steps, "batch_size": S.batch,
+                "max_length": S.max_length, "rank": RANK, "alpha": ALPHA, "targets": list(TARGETS),
+                "init": "offset (A, B ~ N(0, 0.02^2), W0 -= s B0 A0)", "head_lr": HEAD_LR,
+                "loraplus_ratio": LORAPLUS_RATIO, "learning_rates": {k: v[1] for k, v in runs.items()},
+                "weight_decay": {k: v[2] for k, v in runs.items()}, "lr_grid": GRID if S.sweep else None,
+                "wd_grid": WD_GRID if S.sweep else None, "invariance_steps": S.inv_steps,
+                "wiring_max_abs_logit_diff": P["wiring"], "threads": torch.get_num_threads()}
+
+    def extra(self, settings: RiemannianSettings, records: Records[dict]) -> dict[str, Any]:
+        per_seed = list(records)
+        return {"sweep": self.sweep, "invariance": records.joint["curves"],
+                "loss_curves": {label: [r[label]["losses"] for r in per_seed] for label in per_seed[0]}}
 
 
 def _notes(mode: str, table: Table, inv: dict[str, Any], strictly: dict[str, tuple[bool, bool]],
-           diverged: dict[str, Any], P: dict[str, Any]) -> str:
+           diverged: dict[str, Any], P: dict[str, Any], sweep: bool) -> str:
     parts = [
         f"Mode {mode}. Invariance (float64, top 2 layers): relative X difference AdamS {inv['adams']:.2e}, "
         f"AdamW {inv['adamw']:.2e} (AdamS's G_X-based direction and the equivariant lift make the X trajectory "
@@ -441,7 +491,7 @@ def _notes(mode: str, table: Table, inv: dict[str, Any], strictly: dict[str, tup
                      f"({'higher' if acc else 'not higher'}); the paper reports small gains, the spec checks parity.")
     parts.append(f"LoRA+ (PEFT create_loraplus_optimizer, ratio {LORAPLUS_RATIO:g}): loss "
                  f"{table.mean('LoRA+', 'final train loss'):.4f}, accuracy {table.mean('LoRA+', 'test accuracy'):.3f}.")
-    if mode != "full":
+    if not sweep:
         parts.append("Learning rates are fixed (spec quick-mode values: AdamW 1e-3, AdamS 3e-3; LoRA+ 3e-4 and "
                      "LRACS 3e-2 are the centres of their grids); full mode sweeps each optimizer's grid on seed 0 "
                      "with equal effort (3 learning rates; AdamW and LoRA+ also weight decay 0.01/0.1 at their best lr), "
@@ -451,3 +501,7 @@ def _notes(mode: str, table: Table, inv: dict[str, Any], strictly: dict[str, tup
     parts.append(f"Lower layers are cached (max |logit difference| of the cached top vs the full model "
                  f"{P['wiring']:.1e}); dropout is off; ScaledAdam and LoRA-Rite rows of the spec are not run.")
     return " ".join(parts)
+
+
+REPRODUCTION = RiemannianReproduction
+run = RiemannianReproduction.run

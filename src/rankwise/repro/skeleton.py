@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Generic, Iterator, Mapping, Sequence, TypeVar
 
 from rankwise.core import validate as V
+from rankwise.repro.inputs import ensure_writable, resolve_seeds, validate_mode
 from rankwise.repro.result import DEFAULT_SEEDS, ClaimCheck, Precondition, ReproResult, Table, environment
 
 R = TypeVar("R")
@@ -221,6 +222,15 @@ class Settings:
 
     def to_json(self) -> dict[str, Any]:
         return {f.name: _jsonable(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    def canonical_overrides(self, overrides: Mapping[str, Any] | None) -> dict[str, Any]:
+        """``overrides`` as the typed, JSON-able values they give (``{"rank": "4"}`` -> ``{"rank": 4}``),
+        keys sorted: what the result records and the cache key hashes, so that ``--set rank=4`` and
+        ``overrides={"rank": 4}`` are the same run."""
+        if not overrides:
+            return {}
+        values = self.with_overrides(overrides).to_json()
+        return {k: values[k] for k in sorted(overrides)}
 
 
 def _jsonable(x: Any) -> Any:
@@ -411,8 +421,6 @@ class Reproduction(Generic[S, R]):
 
 
 def _seeds(mode: str, seeds: Sequence[int] | None, settings: Settings) -> list[int]:
-    from rankwise.repro.harness import resolve_seeds
-
     if seeds is None and settings.seeds is not None:
         seeds = settings.seeds
     return resolve_seeds(mode, seeds if seeds is not None else DEFAULT_SEEDS[mode])
@@ -421,8 +429,6 @@ def _seeds(mode: str, seeds: Sequence[int] | None, settings: Settings) -> list[i
 def execute(repro: Reproduction[Any, Any], mode: str, seeds: Sequence[int] | None, out_dir: Path | str,
             overrides: Mapping[str, Any] | None = None) -> ReproResult:
     """Run ``repro`` in ``mode``: everything around its declarations (see the module docstring)."""
-    from rankwise.repro.harness import ensure_writable, validate_mode
-
     mode = validate_mode(mode)
     settings = type(repro).settings_for(mode, overrides)
     seed_list = _seeds(mode, seeds, settings)
@@ -441,7 +447,8 @@ def execute(repro: Reproduction[Any, Any], mode: str, seeds: Sequence[int] | Non
     config = {**config, "settings": settings.to_json()}
     result = ReproResult(id=repro.id, mode=mode, seeds=seed_list, claim=repro.claim, table=table, checks=checks,
                          figures=list(figures), notes=notes, config=config, extra=extra, preconditions=list(pre),
-                         overrides=normalise_overrides(overrides), environment=environment(seed_list))
+                         overrides=type(repro).settings[mode].canonical_overrides(overrides),
+                         environment=environment(seed_list))
     result.wall_time_s = time.perf_counter() - t0
     result.cpu_time_s = time.process_time() - c0
     result.save(out)

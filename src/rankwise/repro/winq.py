@@ -20,10 +20,17 @@ Measured: the quantized model's validation loss every few steps (no noise), the 
 reach the plain run's final loss (linear interpolation), the change of the quantized loss across
 each reset, and the top-5 Hessian eigenvalue magnitudes (subspace iteration with Hessian-vector
 products on one fixed batch, restricted to one weight) just before and after the first reset.
+
+In the digits experiment the final-loss check carries the paired per-test-example loss differences
+(so its bootstrap interval is reported). The experiment, sizes and budgets are :class:`WinQSettings` (``SETTINGS[mode]``; ``rankwise reproduce winq
+--set qat_steps=600``). "A reset does not raise the quantized loss" is a ``wiring`` check (a reset keeps
+every latent weight in its rounding cell, so Q(W) and the loss are unchanged up to rounding); the
+speed-up and final-loss checks are ``claim`` checks.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -31,12 +38,13 @@ import math
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
-from rankwise.repro.result import MODES, ClaimCheck, ReproResult, Table, environment
+from rankwise.repro.result import ClaimCheck, Table
+from rankwise.repro.skeleton import Records, Reproduction, Settings, merge_in_order, pyplot, save_figure, setting
 
 logger = logging.getLogger(__name__)
 
@@ -62,13 +70,44 @@ class _LMSetup:
     hessian_iters: int = 8
 
 
-_LLAMA = dict(hidden_size=64, intermediate_size=172, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=4, vocab_size=256, max_position_embeddings=256)
-LM_SETUPS = {
-    "smoke": _LMSetup(20, 20, dict(_LLAMA, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                   num_attention_heads=2, num_key_value_heads=2),
-                      seq_len=32, batch_size=4, eval_windows=4, eval_every=5, warmup=2, hessian_iters=2),
-    "full": _LMSetup(1000, 500, _LLAMA),
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WinQSettings(Settings):
+    """What the WinQ reproduction runs; ``SETTINGS[mode]`` holds each mode's values."""
+
+    experiment: str = setting("llama", "digits_mlp (digits, MLP 64-128-10, STE min-max quantizer) or llama (tiny "
+                                       "Llama on the docstring corpus, ParetoQ SEQ)", choices=("digits_mlp", "llama"))
+    fp_steps: int = setting(1000, "full-precision training steps before QAT", lo=0)
+    qat_steps: int = setting(500, "2-bit QAT steps T (WinQ resets every T/4)", lo=4)
+    fp_lr: float = setting(3e-3, "full-precision learning rate (AdamW)", lo=0.0)
+    qat_lr: float = setting(1e-3, "QAT learning rate (AdamW, cosine)", lo=0.0)
+    warmup: int = setting(25, "QAT warm-up steps", lo=0)
+    eval_every: int = setting(25, "QAT steps between evaluations", lo=1)
+    batch_size: int = setting(16, "examples (digits) or sequences (llama) per step", lo=1)
+    hessian_iters: int = setting(8, "subspace iterations of the Hessian eigenvalue estimate", lo=1)
+    seq_len: int = setting(128, "llama: bytes per sequence", lo=2)
+    eval_windows: int = setting(32, "llama: validation windows", lo=1)
+    hidden_size: int = setting(64, "llama: hidden size", lo=1)
+    intermediate_size: int = setting(172, "llama: FFN size", lo=1)
+    num_hidden_layers: int = setting(2, "llama: layers", lo=1)
+    num_attention_heads: int = setting(4, "llama: attention heads", lo=1)
+    num_key_value_heads: int = setting(4, "llama: key/value heads", lo=1)
+
+    def lm_setup(self) -> "_LMSetup":
+        model = dict(hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+                     num_hidden_layers=self.num_hidden_layers, num_attention_heads=self.num_attention_heads,
+                     num_key_value_heads=self.num_key_value_heads, vocab_size=256, max_position_embeddings=256)
+        return _LMSetup(self.fp_steps, self.qat_steps, model, seq_len=self.seq_len, batch_size=self.batch_size,
+                        eval_windows=self.eval_windows, eval_every=self.eval_every, fp_lr=self.fp_lr,
+                        qat_lr=self.qat_lr, warmup=self.warmup, hessian_iters=self.hessian_iters)
+
+
+SETTINGS: dict[str, WinQSettings] = {
+    "smoke": WinQSettings(fp_steps=20, qat_steps=20, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                          num_attention_heads=2, num_key_value_heads=2, seq_len=32, batch_size=4, eval_windows=4,
+                          eval_every=5, warmup=2, hessian_iters=2),
+    "quick": WinQSettings(experiment="digits_mlp", fp_steps=200, qat_steps=300, fp_lr=1e-2, qat_lr=1e-3, warmup=15,
+                          eval_every=5, batch_size=64, hessian_iters=15),
+    "full": WinQSettings(),
 }
 
 
@@ -155,7 +194,9 @@ def _qat_run(model: nn.Module, sample: Callable[[torch.Generator], Any], loss_fn
             curve["loss"].append(ev["loss"])
             if "acc" in curve:
                 curve["acc"].append(ev["acc"])
+    per_example = ev.get("per_example")  # the last evaluation is at the last step
     return {"curve": curve, "final": curve["loss"][-1], "final_acc": curve.get("acc", [float("nan")])[-1],
+            "final_per_example": None if per_example is None else per_example.tolist(),
             "reset_changes": reset_changes, "hessian": hess, "grid_distance": distance_to_grid(model) if any(True for _ in quant_layers(model)) else float("nan"),
             "resets": [] if cb is None else [list(r) for r in cb.resets]}
 
@@ -164,14 +205,15 @@ def _qat_run(model: nn.Module, sample: Callable[[torch.Generator], Any], loss_fn
 # quick: digits MLP
 
 
-def _quick(seeds: list[int]) -> tuple[dict[str, list[dict[str, Any]]], dict[str, Any]]:
+def _quick(S: WinQSettings, seeds: list[int], first_seed: int) -> tuple[dict[str, list[dict[str, Any]]], dict[str, Any]]:
     from rankwise import zoo
     from rankwise.train.qat import QATConfig, WinQConfig, prepare_qat
 
     task = zoo.digits_task("digits10", seed=0)
     xtr, ytr = task.x_train.flatten(1), task.y_train
     xte, yte = task.x_test.flatten(1), task.y_test
-    steps, fp_steps, bs = 300, 200, 64
+    steps, fp_steps, bs = S.qat_steps, S.fp_steps, S.batch_size
+    K = max(1, steps // 4)
 
     def sample(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         idx = torch.randint(0, xtr.shape[0], (bs,), generator=gen)
@@ -187,7 +229,8 @@ def _quick(seeds: list[int]) -> tuple[dict[str, list[dict[str, Any]]], dict[str,
         logits = model(xte)
         model.train(was)
         return {"loss": float(nn.functional.cross_entropy(logits.double(), yte)),
-                "acc": float((logits.argmax(1) == yte).float().mean())}
+                "acc": float((logits.argmax(1) == yte).float().mean()),
+                "per_example": nn.functional.cross_entropy(logits.double(), yte, reduction="none")}
 
     def fp_model(seed: int) -> nn.Module:
         g = torch.Generator().manual_seed(seed)
@@ -198,7 +241,7 @@ def _quick(seeds: list[int]) -> tuple[dict[str, list[dict[str, Any]]], dict[str,
                     bound = 1 / math.sqrt(m.in_features)
                     m.weight.uniform_(-bound, bound, generator=g)
                     m.bias.uniform_(-bound, bound, generator=g)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+        opt = torch.optim.AdamW(model.parameters(), lr=S.fp_lr, weight_decay=0.0)
         gen = torch.Generator().manual_seed(20_000 + seed)
         for _ in range(fp_steps):
             loss_fn(model, sample(gen)).backward()
@@ -206,11 +249,11 @@ def _quick(seeds: list[int]) -> tuple[dict[str, list[dict[str, Any]]], dict[str,
             opt.zero_grad()
         return model
 
-    winq = WinQConfig(reset_every=75, alpha=0.2, sigma_w=1e-3, sigma_c=1e-3, symmetric=True)
+    winq = WinQConfig(reset_every=K, alpha=0.2, sigma_w=1e-3, sigma_c=1e-3, symmetric=True)
     arms: dict[str, tuple[str, WinQConfig | None]] = {
         "STE QAT": ("minmax", None), "STE QAT + WinQ": ("minmax", winq),
-        "STE QAT + reset only": ("minmax", WinQConfig(reset_every=75, alpha=0.2, sigma_w=0.0, sigma_c=0.0)),
-        "STE QAT + noise only": ("minmax", WinQConfig(reset_every=75, alpha=1.0, sigma_w=1e-3, sigma_c=1e-3)),
+        "STE QAT + reset only": ("minmax", WinQConfig(reset_every=K, alpha=0.2, sigma_w=0.0, sigma_c=0.0)),
+        "STE QAT + noise only": ("minmax", WinQConfig(reset_every=K, alpha=1.0, sigma_w=1e-3, sigma_c=1e-3)),
         "ParetoQ-SEQ QAT": ("paretoq", None), "ParetoQ-SEQ QAT + WinQ": ("paretoq", winq),
         "LSQ QAT": ("lsq", None), "LSQ QAT + WinQ": ("lsq", winq),
     }
@@ -222,7 +265,7 @@ def _quick(seeds: list[int]) -> tuple[dict[str, list[dict[str, Any]]], dict[str,
         base = fp_model(seed)
         fp_acc.append(evaluate(base)["acc"])
         for arm, (quantizer, cfg) in arms.items():
-            if ("only" in arm) and seed != seeds[0]:
+            if ("only" in arm) and seed != first_seed:
                 continue
             if quantizer == "torchao":
                 model = _torchao_prepare(_clone(base))
@@ -230,12 +273,15 @@ def _quick(seeds: list[int]) -> tuple[dict[str, list[dict[str, Any]]], dict[str,
                 model = prepare_qat(_clone(base), QATConfig(w_bits=2, quantizer=quantizer))
             cfg_seeded = None if cfg is None else _reseed(cfg, seed)
             hess = None
-            if arm == "STE QAT + WinQ" and seed == seeds[0]:
+            if arm == "STE QAT + WinQ" and seed == first_seed:
                 xb, yb = xtr[:256], ytr[:256]
-                hess = lambda m: _hvp_top_eigs(lambda: nn.functional.cross_entropy(m(xb), yb), m[0].weight, 5, 15, 0)
-            runs[arm].append(_qat_run(model, sample, loss_fn, evaluate, steps, 1e-3, 15, 5, seed, cfg_seeded, hess))
+                hess = lambda m: _hvp_top_eigs(lambda: nn.functional.cross_entropy(m(xb), yb), m[0].weight, 5,  # noqa: E731
+                                               S.hessian_iters, 0)
+            runs[arm].append(_qat_run(model, sample, loss_fn, evaluate, steps, S.qat_lr, S.warmup, S.eval_every, seed,
+                                      cfg_seeded, hess))
     info = {"task": "digits10", "mlp": "64-128-10", "fp_steps": fp_steps, "qat_steps": steps, "batch_size": bs,
-            "fp_lr": 1e-2, "qat_lr": 1e-3, "warmup": 15, "w_bits": 2, "winq": asdict(winq), "fp_test_acc": fp_acc,
+            "fp_lr": S.fp_lr, "qat_lr": S.qat_lr, "warmup": S.warmup, "w_bits": 2, "winq": asdict(winq),
+            "fp_test_acc": fp_acc,
             "primary": ("STE QAT", "STE QAT + WinQ")}
     return runs, info
 
@@ -307,17 +353,20 @@ def _fp_llama(s: _LMSetup, data: dict[str, torch.Tensor]) -> nn.Module:
     return model
 
 
-def _lm(mode: str, seeds: list[int]) -> tuple[dict[str, list[dict[str, Any]]], dict[str, Any]]:
+def _lm(s: _LMSetup, seeds: list[int], first_seed: int, cache: dict[str, Any]
+        ) -> tuple[dict[str, list[dict[str, Any]]], dict[str, Any]]:
     from rankwise import zoo
     from rankwise.train.pretrain import byte_stream, eval_loss, eval_windows, random_batch
     from rankwise.train.qat import QATConfig, WinQConfig, prepare_qat, quant_layers
 
-    s = LM_SETUPS[mode]
-    corpus = zoo.corpus()
-    data = {"train": byte_stream(d.text for d in corpus.split("train")),
-            "eval": eval_windows(byte_stream(d.text for d in corpus.split("eval")), s.seq_len, s.eval_windows)}
-    base = _fp_llama(s, data)
-    fp_loss = eval_loss(base, data["eval"])
+    if not cache:  # once per run: the data, the full-precision model and its loss
+        corpus = zoo.corpus()
+        cache["data"] = {"train": byte_stream(d.text for d in corpus.split("train")),
+                         "eval": eval_windows(byte_stream(d.text for d in corpus.split("eval")), s.seq_len,
+                                              s.eval_windows)}
+        cache["base"] = _fp_llama(s, cache["data"])
+        cache["fp_loss"] = eval_loss(cache["base"], cache["data"]["eval"])
+    data, base, fp_loss = cache["data"], cache["base"], cache["fp_loss"]
     T = s.qat_steps
     K = max(1, T // 4)
 
@@ -339,11 +388,11 @@ def _lm(mode: str, seeds: list[int]) -> tuple[dict[str, list[dict[str, Any]]], d
     runs: dict[str, list[dict[str, Any]]] = {a: [] for a in arms}
     for seed in seeds:
         for arm, cfg in arms.items():
-            if "only" in arm and seed != seeds[0]:
+            if "only" in arm and seed != first_seed:
                 continue
             model = prepare_qat(_clone(base), QATConfig(w_bits=2, quantizer="paretoq"))
             hess = None
-            if arm.endswith("+ WinQ") and seed == seeds[0]:
+            if arm.endswith("+ WinQ") and seed == first_seed:
                 def hess(m: nn.Module) -> list[float]:
                     w = dict(quant_layers(m))["model.layers.0.mlp.down_proj"].weight
                     return _hvp_top_eigs(lambda: m(input_ids=hbatch, labels=hbatch).loss, w, 5, s.hessian_iters, 0)
@@ -363,11 +412,7 @@ def _lm(mode: str, seeds: list[int]) -> tuple[dict[str, list[dict[str, Any]]], d
 
 
 def _plot(out_dir: Path, runs: dict[str, list[dict[str, Any]]], primary: tuple[str, str], ylabel: str) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     figs = []
     has_acc = any("acc" in r["curve"] for rs in runs.values() for r in rs)
     fig, axes = plt.subplots(1, 2 if has_acc else 1, figsize=(10 if has_acc else 6, 4), squeeze=False)
@@ -389,34 +434,12 @@ def _plot(out_dir: Path, runs: dict[str, list[dict[str, Any]]], primary: tuple[s
         ax.grid(alpha=0.3)
     fig.suptitle("2-bit QAT with and without WinQ (mean over seeds)")
     fig.tight_layout()
-    fig.savefig(out_dir / "qat_curves.png", dpi=110)
-    plt.close(fig)
-    figs.append("qat_curves.png")
+    figs.append(save_figure(fig, out_dir / "qat_curves.png"))
     return figs
 
 
-def run(mode: str, seeds: Sequence[int], out_dir: Path) -> ReproResult:
-    """Run the reproduction in ``mode`` (``smoke``, ``quick``, ``full``) and save ``result.json``."""
+def _table(runs: dict[str, list[dict[str, Any]]], use: list[int]) -> Table:
     from rankwise.train.pretrain import steps_to_reach
-
-    if mode not in MODES:
-        raise ValueError(f"mode={mode!r} must be one of {list(MODES)}")
-    seeds = [int(x) for x in seeds]
-    if not seeds:
-        raise ValueError("at least one seed is required")
-    t0 = time.perf_counter()
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    if mode == "quick":
-        use = seeds
-        runs, info = _quick(use)
-        ylabel = "test loss (quantized)"
-    else:
-        use = seeds
-        runs, info = _lm(mode, use)
-        ylabel = "validation loss (quantized, nats/byte)"
-    plain, method = info["primary"]
-    T = info["qat_steps"]
 
     table = Table(columns=COLUMNS, notes={
         "final_loss": "quantized model, lower is better", "final_acc": "quantized model (digits only)",
@@ -436,19 +459,42 @@ def run(mode: str, seeds: Sequence[int], out_dir: Path) -> ReproResult:
                 table.add(arm, "max_reset_loss_change", max(r["reset_changes"]))
             table.add(arm, "grid_distance_final", r["grid_distance"])
 
+    return table
+
+
+def _paired_losses(runs: dict[str, list[dict[str, Any]]], method: str, plain: str) -> list[list[float]] | None:
+    """Per test example and seed, quantized loss of ``method`` minus ``plain`` (None without per-example losses)."""
+    pairs = list(zip(runs[method], runs[plain]))
+    if not pairs or any(a.get("final_per_example") is None or b.get("final_per_example") is None for a, b in pairs):
+        return None
+    return [[x - y for x, y in zip(a["final_per_example"], b["final_per_example"])] for a, b in pairs]
+
+
+def _checks(table: Table, info: dict[str, Any], runs: dict[str, list[dict[str, Any]]]) -> list[ClaimCheck]:
+    plain, method = info["primary"]
+    T = info["qat_steps"]
     fracs = [x / T for x in table.values(method, "steps_to_plain_final")]
     checks = [
         ClaimCheck(f"{method} reaches {plain}'s final loss by 0.667 x T steps (>= 1.5x speed-up; fraction of T, mean "
                    "over seeds)", sum(fracs) / len(fracs), "<=", 2 / 3),
         ClaimCheck(f"{method}'s final quantized loss is at least 0.03 nats below {plain}'s (mean over seeds)",
-                   table.mean(method, "final_loss") - table.mean(plain, "final_loss"), "<=", -0.03, unit="nats"),
+                   table.mean(method, "final_loss") - table.mean(plain, "final_loss"), "<=", -0.03, unit="nats",
+                   samples=_paired_losses(runs, method, plain)),
         ClaimCheck("an interpolation reset raises the quantized loss by at most 0.01 (largest change over resets "
-                   "and seeds)", max(table.values(method, "max_reset_loss_change")), "<=", 0.01, unit="nats"),
+                   "and seeds)", max(table.values(method, "max_reset_loss_change")), "<=", 0.01, unit="nats",
+                   kind="wiring"),
     ]
+    return checks
+
+
+def _notes(mode: str, use: list[int], seeds: list[int], runs: dict[str, list[dict[str, Any]]], info: dict[str, Any],
+           table: Table, checks: list[ClaimCheck]) -> tuple[str, dict[str, Any]]:
+    plain, method = info["primary"]
+    T = info["qat_steps"]
     hess = next((r["hessian"] for r in runs[method] if r["hessian"]), {})
     abl = {a: table.mean(a, "final_loss") for a in runs if runs[a]}
     notes = [f"{mode} mode, seeds {use} (of {seeds}); T = {T} QAT steps; primary comparison: {plain} vs {method}."]
-    if mode == "quick":
+    if "task" in info:
         notes.append("Quick mode follows the spec's digits MLP set-up with the STE min-max quantizer (scale recomputed "
                      "from max|W| every step). ParetoQ-SEQ and LSQ rows show WinQ on other base quantizers (context, "
                      "not claimed).")
@@ -475,13 +521,61 @@ def run(mode: str, seeds: Sequence[int], out_dir: Path) -> ReproResult:
     if failed:
         notes.append("Claims that did not hold here: " + "; ".join(failed) + ". The paper's runs are 1B-3B LLMs over "
                      "tens of thousands of steps; at this scale the reported numbers are what we measured.")
-    figures = _plot(out_dir, runs, (plain, method), ylabel)
-    result = ReproResult(
-        id=ID, mode=mode, seeds=use, claim=CLAIM, table=table, checks=checks, figures=figures, notes=" ".join(notes),
-        config=info, wall_time_s=time.perf_counter() - t0, environment=environment(use),
-        extra={"curves": {a: [r["curve"] for r in rs] for a, rs in runs.items()},
-               "resets": {a: [r["resets"] for r in rs] for a, rs in runs.items()},
-               "reset_loss_changes": {a: [r["reset_changes"] for r in rs] for a, rs in runs.items()},
-               "hessian_top5": hess})
-    result.save(out_dir)
-    return result
+    return " ".join(notes), hess
+
+
+class WinQReproduction(Reproduction[WinQSettings, dict]):
+    id = ID
+    claim = CLAIM
+    settings = SETTINGS
+
+    def measure(self, S: WinQSettings, seed: int) -> dict[str, Any]:
+        if not hasattr(self, "first_seed"):
+            self.first_seed, self.cache = seed, {}
+        if S.experiment == "digits_mlp":
+            runs, info = _quick(S, [seed], self.first_seed)
+        else:
+            runs, info = _lm(S.lm_setup(), [seed], self.first_seed, self.cache)
+        return {"runs": runs, "info": info}
+
+    def _runs(self, records: Records[dict]) -> dict[str, list[dict[str, Any]]]:
+        return merge_in_order([r["runs"] for r in records])
+
+    def _info(self, records: Records[dict]) -> dict[str, Any]:
+        info = dict(records.first["info"])
+        if "fp_test_acc" in info:
+            info["fp_test_acc"] = [a for r in records for a in r["info"]["fp_test_acc"]]
+        return info
+
+    def table(self, S: WinQSettings, records: Records[dict]) -> Table:
+        self._table = _table(self._runs(records), records.seeds)
+        return self._table
+
+    def checks(self, S: WinQSettings, records: Records[dict]) -> list[ClaimCheck]:
+        self._checks = _checks(self._table, self._info(records), self._runs(records))
+        return self._checks
+
+    def figures(self, S: WinQSettings, records: Records[dict], out_dir: Path) -> list[str]:
+        info = self._info(records)
+        ylabel = "test loss (quantized)" if S.experiment == "digits_mlp" else "validation loss (quantized, nats/byte)"
+        return _plot(out_dir, self._runs(records), info["primary"], ylabel)
+
+    def notes(self, S: WinQSettings, records: Records[dict]) -> str:
+        mode = next((m for m, v in SETTINGS.items() if v == S), "custom")
+        self._notes, self._hess = _notes(mode, records.seeds, records.seeds, self._runs(records), self._info(records),
+                                         self._table, self._checks)
+        return self._notes
+
+    def config(self, S: WinQSettings, records: Records[dict]) -> dict[str, Any]:
+        return self._info(records)
+
+    def extra(self, S: WinQSettings, records: Records[dict]) -> dict[str, Any]:
+        runs = self._runs(records)
+        return {"curves": {a: [r["curve"] for r in rs] for a, rs in runs.items()},
+                "resets": {a: [r["resets"] for r in rs] for a, rs in runs.items()},
+                "reset_loss_changes": {a: [r["reset_changes"] for r in rs] for a, rs in runs.items()},
+                "hessian_top5": self._hess}
+
+
+REPRODUCTION = WinQReproduction
+run = WinQReproduction.run
