@@ -144,7 +144,7 @@ def _decomp_case(name: str, shapes: list[tuple[int, int]], dtype: torch.dtype, t
 
 
 def _sentences(n: int, split: str = "train") -> list[str]:
-    from rankwise.compress.command import docstring_sentences
+    from rankwise.zoo.text import docstring_sentences
 
     pool = [s for ss in docstring_sentences(split) for s in ss]
     return pool[:n]
@@ -152,7 +152,7 @@ def _sentences(n: int, split: str = "train") -> list[str]:
 
 def _minilm_batches(n_batches: int, per_batch: int = 8) -> tuple[Any, list[dict[str, torch.Tensor]]]:
     from rankwise import zoo
-    from rankwise.compress.command import tokenize_batches
+    from rankwise.core.textfiles import tokenize_batches
 
     model, tok = zoo.minilm()
     texts = _sentences(n_batches * per_batch)
@@ -171,7 +171,7 @@ def _calibration(n_batches: int) -> Callable[[], Callable]:
 def _block_vs_whole(which: str, cfg: CompressConfig | None = None) -> Callable[[], Callable]:
     def factory() -> Callable[[], Any]:
         from rankwise import zoo
-        from rankwise.compress.command import tokenize_batches
+        from rankwise.core.textfiles import tokenize_batches
 
         path = zoo.minilm_path()
         tok = transformers.AutoTokenizer.from_pretrained(str(path), local_files_only=True)  # not the model
@@ -225,7 +225,7 @@ def verify_block_vs_whole() -> dict[str, Any]:
     """Run both modes on MiniLM once; check identical ranks, errors, weights and outputs; return the ledgers."""
     from rankwise import zoo
     from rankwise.compress import load_compressed
-    from rankwise.compress.command import tokenize_batches
+    from rankwise.core.textfiles import tokenize_batches
 
     whole_run = _block_vs_whole("whole")()
     blocks_run = _block_vs_whole("blocks")()

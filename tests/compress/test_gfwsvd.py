@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from rankwise.compress import gfwsvd as gf
+from rankwise.compress.gfwsvd import fisher as gff
 from rankwise.core.errors import NumericalError
 from rankwise.core.stats import CalibrationError, collect
 
@@ -392,21 +393,21 @@ def test_token_space_mff_equals_explicit_iteration(dtype):
         sf.add(X, Dg)
     tol_close = 1e-12 if dtype == torch.float64 else 1e-5
     for iters, tol in ((3, 0.0), (200, 1e-6), (200, 1e-9)):
-        ref = gf._mff(gf._StoredOperator({"l": sf}), {"l": (m, n)}, {"l": sf.samples}, iters, tol)["l"]
-        got = gf._mff_token_space(sf, iters, tol, name="l")
+        ref = gff._mff(gff._StoredOperator({"l": sf}), {"l": (m, n)}, {"l": sf.samples}, iters, tol)["l"]
+        got = gff._mff_token_space(sf, iters, tol, name="l")
         assert rel(got.P, ref.P) < tol_close and rel(got.Q, ref.Q) < tol_close
         assert abs(got.sigma - ref.sigma) < tol_close * ref.sigma
         assert abs(float(torch.linalg.matrix_norm(got.P)) - 1.0) < 1e-12
         if dtype == torch.float64:
             assert (got.iters, got.converged) == (ref.iters, ref.converged)
     # the dispatcher picks the token space only where it is clearly cheaper
-    explicit, token = gf._token_space_cost(sf, 10)
-    assert gf._use_token_space(sf, 10) == (token < 0.5 * explicit)
+    explicit, token = gff._token_space_cost(sf, 10)
+    assert gff._use_token_space(sf, 10) == (token < 0.5 * explicit)
     wide = gf.SampleFactors(200, 300)
     wide.add(torch.randn(2, 6, 200, generator=g, dtype=D), torch.randn(2, 6, 300, generator=g, dtype=D))
-    assert gf._use_token_space(wide, 5)
+    assert gff._use_token_space(wide, 5)
     kf = gf.mff(wide, iters=5, tol=0.0)
-    ref = gf._mff(gf._StoredOperator({"w": wide}), {"w": (300, 200)}, {"w": 2}, 5, 0.0)["w"]
+    ref = gff._mff(gff._StoredOperator({"w": wide}), {"w": (300, 200)}, {"w": 2}, 5, 0.0)["w"]
     assert rel(kf.P, ref.P) < 1e-10 and rel(kf.Q, ref.Q) < 1e-10
     zero = gf.SampleFactors(200, 300)
     zero.add(torch.randn(2, 6, 200, generator=g, dtype=D), torch.zeros(2, 6, 300, dtype=D))
@@ -538,17 +539,26 @@ def test_pipeline_gfwsvd_matches_direct_factors_and_reports():
     b = _bert()
     fac = gf.collect_kronecker_fisher(b, bs, _bert_loss, cfg, forward=_bert_forward,
                                       target=lambda n, m: isinstance(m, nn.Linear) and ".layer." in n)
-    rep2 = gf.gfwsvd_compress(b, fac, cfg)
-    assert rep2.ranks == rep.ranks
+    rep2 = compress(b, cfg, prepared=fac, target=list(fac))
+    assert rep2.ranks == rep.ranks and all(l.rel_error is None for l in rep2.layers)  # no data, no error report
     for (na, ma), (nb, mb) in zip(a.named_modules(), b.named_modules()):
         assert na == nb
         if isinstance(ma, LowRankLinear):
             torch.testing.assert_close(ma.to_dense(), mb.to_dense(), rtol=1e-5, atol=1e-7)
-    # and through the registry entry with calibration data, at an explicit per-layer rank map
+    # the deprecated gfwsvd_compress: the factor path goes through the same pipeline, bit for bit
+    d = _bert()
+    with pytest.warns(DeprecationWarning, match="gfwsvd_compress"):
+        rep4 = gf.gfwsvd_compress(d, fac, cfg)
+    assert rep4.ranks == rep.ranks and rep4.extra["mode"] == "whole"
+    assert all(torch.equal(x, y) for x, y in zip(b.state_dict().values(), d.state_dict().values()))
+    # and with calibration data, at an explicit per-layer rank map
     c = _bert()
     ranks = {n: 3 for n in rep.ranks}
-    rep3 = gf.gfwsvd_compress(c, bs, cfg, loss_fn=_bert_loss, forward=_bert_forward, ranks=ranks)
+    with pytest.warns(DeprecationWarning):
+        rep3 = gf.gfwsvd_compress(c, bs, cfg, loss_fn=_bert_loss, forward=_bert_forward, ranks=ranks)
     assert set(rep3.ranks.values()) == {3}
+    with pytest.raises(TypeError, match="KroneckerFactors"):
+        compress(_bert(), cfg, prepared={"x": 1}, target=list(fac))
 
 
 def test_gfwsvd_reuses_factors_across_ratios_and_rank_multiple():
@@ -578,6 +588,8 @@ def test_gfwsvd_pipeline_bad_inputs_leave_model_unchanged():
         compress(model, CompressConfig(method="gfwsvd", ratio=0.5, options={"beta": 1}), _text_batches())
     with pytest.raises(ValueError, match="empty"):
         gf.gfwsvd_compress(model, {}, gf.GFWSVDConfig())
+    with pytest.raises(ValueError, match="does not have"):
+        gf.gfwsvd_compress(model, {"nope": gf.KroneckerFactors(torch.eye(2), torch.eye(2))}, gf.GFWSVDConfig())
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert all(type(m).__name__ != "LowRankLinear" for m in model.modules())
 
@@ -585,7 +597,9 @@ def test_gfwsvd_pipeline_bad_inputs_leave_model_unchanged():
 def test_registry_entry():
     from rankwise.core.registry import get
 
+    from rankwise.compress import compress
+
     e = get("gfwsvd")
-    assert e.config is gf.GFWSVDConfig and e.entry is gf.gfwsvd_compress
+    assert e.config is gf.GFWSVDConfig and e.entry is compress
     d = gf.GFWSVDConfig()
     assert (d.power_iters, d.tol, d.damping, d.rank_multiple, d.approximation) == (10, 1e-6, 1e-4, 1, "mff")

@@ -319,7 +319,7 @@ def test_bad_mode_config_and_calibration():
         CompressConfig(method="tucker")
     with pytest.raises(TypeError, match="options"):
         CompressConfig(method="svd-llm", options={"dampin": 1e-3}).build_method()
-    with pytest.raises(ValueError, match="rank must be > 0"):
+    with pytest.raises(ValueError, match=r"CompressConfig.allocation\['x'\] \(the rank of layer 'x'\) must be an int >= 1"):
         CompressConfig(allocation={"x": 0})
     with pytest.raises(ValueError, match="allocation"):
         CompressConfig(allocation="greedy")
@@ -511,7 +511,8 @@ def test_compress_command_and_cli_verb(tmp_path):
     from typer.testing import CliRunner
 
     from rankwise.cli import app
-    from rankwise.compress.command import compress_command, read_texts
+    from rankwise.core.textfiles import read_texts
+    from rankwise.verbs.compress import compress_command
 
     d = _tiny_model_dir(tmp_path / "tiny")
     texts = [f"the value of {w} is a list of data and it can return none" for w in
@@ -527,6 +528,19 @@ def test_compress_command_and_cli_verb(tmp_path):
     res2 = compress_command("fwsvd", 0.5, model_dir=d, calib_file=tmp_path / "calib.txt", n_calib=16, n_eval=8,
                             measure_speed=False)
     assert any("contrastive" in n for n in res2.notes)
+    # the job itself takes a model, a tokenizer and texts; a gradient method needs the caller's task loss
+    from transformers import BertModel, BertTokenizer
+
+    from rankwise.compress import FWSVDConfig
+    from rankwise.compress.job import compress_texts
+    from rankwise.train.losses import contrastive_loss
+
+    model, tok = BertModel.from_pretrained(str(d)).eval(), BertTokenizer.from_pretrained(str(d))
+    with pytest.raises(ValueError, match="task loss"):
+        compress_texts(model, tok, FWSVDConfig(param_ratio=0.5), texts[:8], texts[8:10])
+    res3 = compress_texts(model, tok, FWSVDConfig(param_ratio=0.5), texts[:8], texts[8:10], loss_fn=contrastive_loss,
+                          pairs=True, measure_speed=False)
+    assert res3.method == "fwsvd" and len(res3.rows()) == 12 and res3.out_dir is None
 
     runner = CliRunner()
     r = runner.invoke(app, ["compress", "--method", "swift-svd", "--ratio", "0.5", "--model", str(d), "--calib",

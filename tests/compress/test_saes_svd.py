@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from rankwise.compress import saes_svd as saes
+from rankwise.compress.saes_svd import cealc as saes_cealc
 from rankwise.core.errors import NumericalError
 
 D = torch.float64
@@ -220,7 +221,7 @@ def test_aces_energy_objective_and_c_zero():
     Dm = U[:, :2] @ V[:, :2].T
     c = saes.aces_coefficients(S, Dm, r)
     assert c.c == pytest.approx(0.0, abs=1e-20)
-    beta, *_rest, reason = saes._aces_pick(c, 0.2, 0.7, 0.95, 1.0, "energy")
+    beta, *_rest, reason = saes_cealc._aces_pick(c, 0.2, 0.7, 0.95, 1.0, "energy")
     assert beta == 0.2 and reason == "energy_c_zero"
 
 
@@ -428,7 +429,7 @@ def test_saes_svd_compress_entry_and_report():
 
     model = _bert(layers=2)
     cfg = saes.SAESConfig(compression_ratio=0.5, targets=("query", "value"))
-    rep = get("saes_svd").entry(model, _batches(seed=2), cfg)
+    rep = get("saes_svd").entry(model, cfg, _batches(seed=2))  # compress(model, config, calib)
     assert isinstance(rep, saes.SAESReport)
     assert set(rep.ranks) == {f"encoder.layer.{i}.attention.self.{t}" for i in range(2) for t in ("query", "value")}
     assert all(r == saes.saes_rank(16, 16, 0.5) for r in rep.ranks.values())
@@ -446,7 +447,7 @@ def test_pipeline_empty_calibration_and_bad_options():
 
     model = _bert(layers=1)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(CalibrationError, match="empty"):
+    with pytest.raises(CalibrationError, match="empty"), pytest.warns(DeprecationWarning, match="saes_svd_compress"):
         saes.saes_svd_compress(model, [], saes.SAESConfig())
     with pytest.raises(TypeError, match="unknown SAES-SVD option"):
         compress(model, CompressConfig(method="saes-svd", ratio=0.5, options={"alpha": 1.0}), _batches())

@@ -2,12 +2,15 @@
 
 A *layer method* turns one ``nn.Linear`` plus its calibration statistics into low-rank factors
 ``W ≈ A @ B`` (:class:`~rankwise.core.linalg.LowRankFactors`: ``B`` is ``r x n``, ``A`` is ``m x r``).
-The pipeline (``compress/pipeline.py``) owns everything around it: choosing targets, collecting the
+The pipeline (``compress/api.py`` and the modules it uses: ``targets``, ``calibration``,
+``allocation``, ``blockwise``) owns everything around it: choosing targets, collecting the
 statistics the method asks for (``needs``), the order in which layers are compressed, the ranks, the
-module surgery, saving and reporting. Methods register under a short name that the ``compress`` verb
-and the CLI accept (``"svd"``, ``"asvd"``, ``"fwsvd"``, ``"svd-llm"``, ``"swift-svd"``, ``"saes-svd"``,
-``"gfwsvd"``); :func:`resolve_layer_method` also accepts ``_`` for ``-`` and a few aliases
-(``"svdllm_w"``, ``"swift_svd"``).
+module surgery and reporting. Methods register under a short name that the CLI and
+``CompressConfig(method=...)`` accept (``"svd"``, ``"asvd"``, ``"fwsvd"``, ``"svd-llm"``, ``"swift-svd"``,
+``"saes-svd"``, ``"gfwsvd"``); :func:`resolve_layer_method` also accepts ``_`` for ``-`` and a few
+aliases (``"svdllm_w"``, ``"swift_svd"``). A method also names its own config class
+(``config_class``, e.g. ``SwiftSVDConfig``): ``compress(model, SwiftSVDConfig(...), calib=...)`` finds
+the method by the config's type (:func:`method_for_config`).
 
 Statistics a method can receive:
 
@@ -22,7 +25,8 @@ Statistics a method can receive:
   same layer on the same tokens (columns are tokens; padding tokens excluded);
 * anything else: a method that needs whole-model statistics of its own (GFWSVD's Kronecker factors)
   overrides :meth:`LayerMethod.prepare`, which the pipeline calls once, with the unmodified model and
-  the calibration batches, before the first ``fit``.
+  the calibration batches, before the first ``fit``; a caller who already has them passes them to
+  ``compress(..., prepared=...)`` (:meth:`LayerMethod.load_prepared`) and the collection is skipped.
 
 ``feed`` says which model produces a layer's calibration inputs: ``"original"`` (every layer sees
 full-precision inputs: plain SVD, ASVD, FWSVD, SVD-LLM(W), Swift-SVD, GFWSVD) or ``"compressed"``
@@ -36,6 +40,7 @@ import importlib
 import math
 import pkgutil
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Callable, ClassVar, Iterable, Literal
 
 import torch
@@ -44,13 +49,14 @@ from torch import nn
 from rankwise.core.errors import UnknownMethodError
 from rankwise.core.linalg import LowRankFactors
 from rankwise.core.stats import LayerStats
+from rankwise.core.validate import check_unit
 
 Tensor = torch.Tensor
 Feed = Literal["original", "compressed"]
 
 __all__ = [
     "Feed", "PairedStats", "LayerMethod", "register_layer_method", "layer_methods", "resolve_layer_method",
-    "uniform_rank", "check_ratio", "relative_output_error", "LayerReport", "CompressionReport",
+    "method_for_config", "uniform_rank", "check_ratio", "relative_output_error", "LayerReport", "CompressionReport",
 ]
 
 
@@ -81,10 +87,13 @@ class LayerMethod:
         exact_at_full_rank: at ``rank = min(m, n)`` the factors reproduce the layer on its calibration
             inputs (true for every method whose objective is a weighted distance to ``W``; the
             shared test matrix checks it).
+        config_class: the method's own config dataclass (``SwiftSVDConfig``); ``compress(model,
+            config)`` picks the method registered for ``type(config)``.
+        report_class: the :class:`CompressionReport` subclass ``compress`` returns (None: the base class).
 
     Instances are built with the method's options as keyword arguments (``compress`` passes
     ``CompressConfig.options``). The pipeline may set ``self.cache`` to a dict that lives as long as
-    the :class:`~rankwise.compress.pipeline.Calibration` it fits from; a method may keep there what
+    the :class:`~rankwise.compress.calibration.Calibration` it fits from; a method may keep there what
     depends only on the statistics (an eigendecomposition, a Cholesky factor), so that fitting the
     same calibration at several ranks does that work once.
     """
@@ -96,6 +105,8 @@ class LayerMethod:
     paired: ClassVar[bool] = False
     needs_grad: ClassVar[bool] = False
     exact_at_full_rank: ClassVar[bool] = True
+    config_class: ClassVar[type | None] = None
+    report_class: ClassVar[type | None] = None
 
     cache: dict[str, Any] | None = None
 
@@ -127,33 +138,44 @@ class LayerMethod:
         """Whether the method overrides :meth:`prepare` (needs the whole model once)."""
         return cls.prepare is not LayerMethod.prepare
 
+    def load_prepared(self, state: Any) -> None:
+        """Take statistics that :meth:`prepare` would collect, computed by the caller (``compress(..., prepared=)``)."""
+        raise TypeError(f"method {self.name!r} collects no statistics of its own; it takes no prepared= argument")
+
+    def is_prepared(self, names: Iterable[str]) -> bool:
+        """Whether :meth:`prepare` has nothing left to collect for the layers ``names`` (then no data is needed)."""
+        return not self.has_prepare()
+
     def rank_for(self, m: int, n: int) -> int | None:
         """The method's own rank rule for an ``m x n`` layer, used with ``allocation="method"``; None if it has none."""
         return None
 
 
 _METHODS: dict[str, type[LayerMethod]] = {}
+_BY_CONFIG: dict[type, type[LayerMethod]] = {}
 _LOADED = False
 
 
 def register_layer_method(cls: type[LayerMethod]) -> type[LayerMethod]:
-    """Class decorator: make ``cls`` available to ``compress(..., method=cls.name)``."""
+    """Class decorator: make ``cls`` available under ``cls.name`` and for configs of type ``cls.config_class``."""
     if not cls.name:
         raise ValueError(f"{cls.__name__} has no name")
     if cls.paired and cls.feed != "compressed":
         raise ValueError(f"{cls.__name__}: paired statistics need feed='compressed', got feed={cls.feed!r}")
     _METHODS[cls.name] = cls
+    own = cls.__dict__.get("config_class")  # declared by this class: a subclass does not take over its parent's config
+    if own is not None:
+        _BY_CONFIG[own] = cls
     return cls
 
 
 def _load_all() -> None:
-    """Import every module of ``rankwise.compress`` so that each registers its layer methods."""
+    """Import every module of this package so that each registers its layer methods (plugin discovery:
+    the modules are found on disk, so that this module imports none of them)."""
     global _LOADED
     if _LOADED:
         return
-    import rankwise.compress as pkg
-
-    for info in pkgutil.iter_modules(pkg.__path__, prefix="rankwise.compress."):
+    for info in pkgutil.iter_modules([str(Path(__file__).parent)], prefix=f"{__package__}."):
         importlib.import_module(info.name)
     _LOADED = True
 
@@ -162,6 +184,16 @@ def layer_methods() -> dict[str, type[LayerMethod]]:
     """Every registered layer method by name (imports the modules of ``rankwise.compress`` first)."""
     _load_all()
     return dict(_METHODS)
+
+
+def method_for_config(config: Any) -> type[LayerMethod]:
+    """The layer method registered for ``type(config)`` (or a base class of it); ``TypeError`` when none is."""
+    _load_all()
+    for t in type(config).__mro__:
+        if t in _BY_CONFIG:
+            return _BY_CONFIG[t]
+    known = ", ".join(sorted(t.__name__ for t in _BY_CONFIG))
+    raise TypeError(f"config must be a CompressConfig or a method config ({known}), got {type(config).__name__}")
 
 
 def _norm(name: str) -> str:
@@ -185,13 +217,8 @@ def resolve_layer_method(name: str) -> type[LayerMethod]:
 
 
 def check_ratio(ratio: Any, field_name: str = "ratio") -> float:
-    """Validate a kept-parameter fraction in ``(0, 1]``; returns it as float or raises ``ValueError``/``TypeError``."""
-    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)):
-        raise TypeError(f"{field_name} must be a number in (0, 1], got {type(ratio).__name__} ({ratio!r})")
-    r = float(ratio)
-    if not math.isfinite(r) or not 0.0 < r <= 1.0:
-        raise ValueError(f"{field_name}={ratio!r} is out of range: the kept-parameter fraction must be in (0, 1]")
-    return r
+    """Validate a kept-parameter fraction in ``(0, 1]``; returns it as float or raises ``ValueError``."""
+    return check_unit(field_name, ratio, low_open=True)  # type: ignore[return-value]
 
 
 def uniform_rank(m: int, n: int, keep: float) -> int:

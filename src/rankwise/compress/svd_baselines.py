@@ -26,18 +26,22 @@ when every channel/row carries signal. A layer whose scales are all zero raises.
 
 The pure functions (``*_factors``) need no model; the :class:`~rankwise.compress.base.LayerMethod`
 classes plug them into :func:`rankwise.compress.compress` under the names ``"svd"``, ``"asvd"``,
-``"fwsvd"`` and ``"svd-llm"``.
+``"fwsvd"`` and ``"svd-llm"``, and each has its own config, registered exactly like the papers'
+(``compress(model, SVDLLMConfig(param_ratio=0.4), calib=batches)``): :class:`PlainSVDConfig`,
+:class:`ASVDConfig`, :class:`FWSVDConfig` (needs ``loss_fn=``), :class:`SVDLLMConfig`.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 from torch import nn
 
-from rankwise.compress.base import LayerMethod, PairedStats, register_layer_method
+from rankwise.compress.base import LayerMethod, PairedStats, check_ratio, register_layer_method
+from rankwise.compress.config import MethodConfig, check_dtype
 from rankwise.core.errors import NumericalError
 from rankwise.core.layers import validate_rank
 from rankwise.core.linalg import (
@@ -50,13 +54,16 @@ from rankwise.core.linalg import (
     truncated_svd,
     weighted_lowrank_factors,
 )
+from rankwise.core.select import Selector
 from rankwise.core.stats import CalibrationError, LayerStats
+from rankwise.core.validate import check_bool, check_choice, check_int, check_number
 
 Tensor = torch.Tensor
 
 __all__ = [
     "SCALE_FLOOR", "plain_svd_factors", "asvd_scales", "asvd_factors", "fwsvd_row_weights", "fwsvd_factors",
-    "svd_llm_factors", "PlainSVD", "ASVD", "FWSVD", "SVDLLM",
+    "svd_llm_factors", "PlainSVD", "ASVD", "FWSVD", "SVDLLM", "PlainSVDConfig", "ASVDConfig", "FWSVDConfig",
+    "SVDLLMConfig",
 ]
 
 #: Relative floor of ASVD's channel scales and FWSVD's row weights (see the module docstring).
@@ -75,12 +82,6 @@ def _weight(W: Tensor | nn.Linear, dtype: torch.dtype | None, name: str | None) 
 
 def _where(name: str | None) -> str:
     return f" of layer {name!r}" if name else ""
-
-
-def _check_balance(balance: str) -> Balance:
-    if balance not in ("sqrt", "left", "right"):
-        raise ValueError(f"balance must be 'sqrt', 'left' or 'right', got {balance!r}")
-    return balance  # type: ignore[return-value]
 
 
 def _floored(v: Tensor, floor: float, what: str, name: str | None) -> Tensor:
@@ -194,6 +195,72 @@ def svd_llm_factors(W: Tensor | nn.Linear, H: Tensor, rank: int, *, damping: flo
 
 
 # ----------------------------------------------------------------------------------------------
+# configs: compress(model, SVDLLMConfig(...), calib=batches)
+
+
+_ALLOCATIONS = ("uniform", "dynamic")
+
+
+@dataclass(frozen=True)
+class _BaselineConfig(MethodConfig):
+    """Fields every baseline config shares: ``param_ratio`` (kept-parameter fraction of the targets, in
+    ``(0, 1]``), ``allocation`` (``"uniform"`` or Swift-SVD's ``"dynamic"`` ranks), ``balance`` (how the
+    singular values are split between the factors), ``compute_dtype``, ``measure_error`` (report each
+    layer's relative output error: collects ``X^T X``) and ``targets`` (a selector; None = every linear
+    inside the transformer blocks). The method's own options are validated by its constructor."""
+
+    param_ratio: float = 0.4
+    allocation: Literal["uniform", "dynamic"] = "uniform"
+    balance: Balance = "sqrt"
+    compute_dtype: torch.dtype = torch.float64
+    measure_error: bool = True
+    targets: Selector = None
+
+    def __post_init__(self) -> None:
+        owner = type(self).__name__
+        check_ratio(self.param_ratio, f"{owner}.param_ratio")
+        check_choice(f"{owner}.allocation", self.allocation, _ALLOCATIONS)
+        check_bool(f"{owner}.measure_error", self.measure_error)
+        self.method_class(**self.method_options())  # the method's constructor validates its options
+
+    def pipeline_settings(self) -> dict[str, Any]:
+        return dict(ratio=self.param_ratio, allocation=self.allocation, measure_error=self.measure_error)
+
+    def method_options(self) -> dict[str, Any]:
+        skip = set(_BaselineConfig.__dataclass_fields__) - {"balance", "compute_dtype"}
+        return {k: getattr(self, k) for k in self.__dataclass_fields__ if k not in skip}
+
+
+@dataclass(frozen=True)
+class PlainSVDConfig(_BaselineConfig):
+    """Plain truncated SVD of each target weight (no calibration data needed with ``measure_error=False``)."""
+
+
+@dataclass(frozen=True)
+class ASVDConfig(_BaselineConfig):
+    """ASVD: activation-scaled SVD; ``alpha`` the exponent of ``mean |x|`` (0.5), ``floor`` the scales' relative floor."""
+
+    alpha: float = 0.5
+    floor: float = SCALE_FLOOR
+
+
+@dataclass(frozen=True)
+class FWSVDConfig(_BaselineConfig):
+    """FWSVD: Fisher-row-weighted SVD (``compress(..., loss_fn=...)``); ``fisher`` ``"batch"`` or ``"sample"``."""
+
+    fisher: Literal["batch", "sample"] = "batch"
+    floor: float = SCALE_FLOOR
+
+
+@dataclass(frozen=True)
+class SVDLLMConfig(_BaselineConfig):
+    """SVD-LLM(W): whitening with the damped Cholesky factor of ``X^T X`` (``damping`` relative, x10 per retry)."""
+
+    damping: float = 1e-6
+    retries: int = 5
+
+
+# ----------------------------------------------------------------------------------------------
 # the layer methods
 
 
@@ -204,16 +271,15 @@ def _need_stats(stats: LayerStats | None, method: str, name: str) -> LayerStats:
     return stats
 
 
-def _check_dtype(dtype: Any) -> torch.dtype:
-    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        raise TypeError(f"compute_dtype must be a floating torch.dtype, got {dtype!r}")
-    return dtype
+def _floor(owner: str, floor: Any) -> float:
+    return check_number(f"{owner}.floor", floor, 0.0, 1.0, low_open=True, high_open=True)  # type: ignore[return-value]
 
 
 class _Base(LayerMethod):
     def __init__(self, *, balance: Balance = "sqrt", compute_dtype: torch.dtype = torch.float64):
-        self.balance = _check_balance(balance)
-        self.compute_dtype = _check_dtype(compute_dtype)
+        owner = type(self).__name__
+        self.balance: Balance = check_choice(f"{owner}.balance", balance, ("sqrt", "left", "right"))  # type: ignore[assignment]
+        self.compute_dtype = check_dtype(f"{owner}.compute_dtype", compute_dtype)
         self._info: dict[str, Any] = {}
 
     def info(self) -> dict[str, Any]:
@@ -227,6 +293,7 @@ class PlainSVD(_Base):
     name = "svd"
     aliases = ("plain-svd", "plain")
     needs = ()
+    config_class = PlainSVDConfig
 
     def fit(self, name: str, layer: nn.Linear, rank: int, stats: LayerStats | None = None,
             paired: PairedStats | None = None) -> LowRankFactors:
@@ -239,16 +306,13 @@ class ASVD(_Base):
 
     name = "asvd"
     needs = ("input_abs_mean",)
+    config_class = ASVDConfig
 
     def __init__(self, *, alpha: float = 0.5, floor: float = SCALE_FLOOR, balance: Balance = "sqrt",
                  compute_dtype: torch.dtype = torch.float64):
         super().__init__(balance=balance, compute_dtype=compute_dtype)
-        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha) or alpha < 0:
-            raise ValueError(f"alpha={alpha!r} must be a finite number >= 0 (ASVD's default is 0.5)")
-        if not (isinstance(floor, (int, float)) and 0 < floor < 1):
-            raise ValueError(f"floor={floor!r} must be in (0, 1)")
-        self.alpha = float(alpha)
-        self.floor = float(floor)
+        self.alpha = check_number("ASVD.alpha", alpha, 0.0)
+        self.floor = _floor("ASVD", floor)
 
     def fit(self, name: str, layer: nn.Linear, rank: int, stats: LayerStats | None = None,
             paired: PairedStats | None = None) -> LowRankFactors:
@@ -269,16 +333,13 @@ class FWSVD(_Base):
     name = "fwsvd"
     needs = ("fisher_diag",)
     needs_grad = True
+    config_class = FWSVDConfig
 
     def __init__(self, *, fisher: Literal["batch", "sample"] = "batch", floor: float = SCALE_FLOOR,
                  balance: Balance = "sqrt", compute_dtype: torch.dtype = torch.float64):
         super().__init__(balance=balance, compute_dtype=compute_dtype)
-        if fisher not in ("batch", "sample"):
-            raise ValueError(f"fisher={fisher!r} must be 'batch' or 'sample'")
-        if not (isinstance(floor, (int, float)) and 0 < floor < 1):
-            raise ValueError(f"floor={floor!r} must be in (0, 1)")
-        self.fisher = fisher
-        self.floor = float(floor)
+        self.fisher = check_choice("FWSVD.fisher", fisher, ("batch", "sample"))
+        self.floor = _floor("FWSVD", floor)
 
     def collect_options(self) -> dict[str, Any]:
         return {"fisher": self.fisher}
@@ -297,17 +358,13 @@ class SVDLLM(_Base):
     name = "svd-llm"
     aliases = ("svdllm", "svdllm-w", "svd-llm-w", "svdllmw")
     needs = ("input_cov",)
+    config_class = SVDLLMConfig
 
     def __init__(self, *, damping: float = 1e-6, retries: int = 5, balance: Balance = "sqrt",
                  compute_dtype: torch.dtype = torch.float64):
         super().__init__(balance=balance, compute_dtype=compute_dtype)
-        if isinstance(damping, bool) or not isinstance(damping, (int, float)) or not math.isfinite(damping) \
-                or damping < 0:
-            raise ValueError(f"damping={damping!r} must be a finite number >= 0 (0 = undamped Cholesky)")
-        if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
-            raise ValueError(f"retries={retries!r} must be an int >= 0")
-        self.damping = float(damping)
-        self.retries = retries
+        self.damping = check_number("SVDLLM.damping", damping, 0.0)  # 0 = undamped Cholesky
+        self.retries = check_int("SVDLLM.retries", retries, 0)
 
     def fit(self, name: str, layer: nn.Linear, rank: int, stats: LayerStats | None = None,
             paired: PairedStats | None = None) -> LowRankFactors:

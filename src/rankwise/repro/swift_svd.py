@@ -100,7 +100,7 @@ def _data(seed: int, n_pairs: int, n_eval: int, eval_seed: int = EVAL_SEED
     """``(calibration sentences, evaluation sentences, calibration pairs)``: the seed draws the pairs; the
     evaluation draw is fixed (``eval_seed``), the same for every seed, so the original model's reference
     embeddings are computed once."""
-    from rankwise.compress.command import docstring_sentences, sentence_pairs
+    from rankwise.zoo.text import docstring_sentences, sentence_pairs
 
     pairs = sentence_pairs(docstring_sentences("calib"))
     if len(pairs) < n_pairs:
@@ -121,7 +121,7 @@ def _batches(tokenizer: Any, pairs: Sequence[tuple[str, str]], batch_pairs: int 
     calibration tokens were padding; sorted: ~30%). The statistics sum over non-padding tokens, so only
     FWSVD's batch-squared Fisher sees the change: its in-batch negatives are pairs of similar length.
     """
-    from rankwise.compress.command import tokenize_batches
+    from rankwise.core.textfiles import tokenize_batches
 
     if not pairs:
         return []
@@ -190,7 +190,7 @@ def _claim4(base: nn.Module, tokenizer: Any, pairs: Sequence[tuple[str, str]], n
             S: SwiftSVDSettings = SETTINGS["full"]) -> dict[str, Any]:
     """64 calibration sentences: singular X^T X on the FFN-output layers; undamped Cholesky vs Swift-SVD."""
     from rankwise.compress import CompressConfig, calibrate, compress
-    from rankwise.compress.command import contrastive_loss
+    from rankwise.train.losses import contrastive_loss
     from rankwise.core.errors import NumericalError
     from rankwise.core.linalg import damped_cholesky
 
@@ -221,7 +221,7 @@ def _claim4(base: nn.Module, tokenizer: Any, pairs: Sequence[tuple[str, str]], n
 
 
 def _cosines(a: torch.Tensor, b: torch.Tensor) -> list[float]:
-    """Per-sentence cosine of matching rows (their mean is :func:`rankwise.compress.command.mean_cosine`)."""
+    """Per-sentence cosine of matching rows (their mean is :func:`rankwise.compress.job.mean_cosine`)."""
     return torch.nn.functional.cosine_similarity(a.double(), b.double(), dim=-1).tolist()
 
 
@@ -244,7 +244,8 @@ class SwiftSVDReproduction(Reproduction[SwiftSVDSettings, dict]):
 
     def measure(self, S: SwiftSVDSettings, seed: int) -> dict[str, Any]:
         from rankwise.compress import CompressConfig, calibrate, compress
-        from rankwise.compress.command import contrastive_loss, mean_cosine
+        from rankwise.compress.job import mean_cosine
+        from rankwise.train.losses import contrastive_loss
 
         if not hasattr(self, "ref"):
             self._prepare(S, seed)

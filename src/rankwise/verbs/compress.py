@@ -1,13 +1,168 @@
-"""``rankwise compress``: SVD-compress a model's linear layers and report ranks, errors, fidelity, speed."""
+"""``rankwise compress``: SVD-compress a model's linear layers and report ranks, errors, fidelity, speed.
+
+:func:`compress_command` resolves what the command line names (a model directory or the embedded
+all-MiniLM-L6-v2, text files or the embedded docstring corpus, the task loss of gradient-based
+methods) and runs the library job :func:`rankwise.compress.job.compress_texts`; :func:`compress_cmd`
+prints its result.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import random
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 
 from rankwise.verbs import common
+
+__all__ = ["METHOD_CHOICES", "compress_command", "compress_cmd", "register"]
+
+#: The methods the CLI advertises.
+METHOD_CHOICES = ("swift-svd", "saes-svd", "gfwsvd", "svd", "asvd", "fwsvd", "svd-llm")
+
+
+def _resolve_method(name: str) -> str:
+    from rankwise.compress.base import layer_methods, resolve_layer_method
+    from rankwise.core.errors import UnknownMethodError
+
+    try:
+        return resolve_layer_method(name).name
+    except UnknownMethodError:
+        known = sorted(layer_methods())
+        norm = name.strip().lower().replace("_", "-")
+        if norm in METHOD_CHOICES:
+            raise UnknownMethodError(f"method {name!r} is not available in this installation (its module "
+                                     f"rankwise.compress.{norm.replace('-', '_')} is missing or did not register "
+                                     f"it); available: {', '.join(known)}") from None
+        raise UnknownMethodError(f"unknown method {name!r}; choose one of {', '.join(known)}") from None
+
+
+def _load_model(d: Path) -> tuple[Any, Any]:
+    """A ``save_pretrained`` model directory with its tokenizer (a padding token is set when it has none)."""
+    import transformers
+    from transformers import AutoConfig, AutoTokenizer
+
+    from rankwise.core.errors import ArtifactError
+    from rankwise.zoo.models import quiet_transformers
+
+    if not d.is_dir() or not (d / "config.json").is_file():
+        raise ArtifactError(f"{d}: not a model directory (save_pretrained layout with config.json)")
+    cfg = AutoConfig.from_pretrained(str(d), local_files_only=True)
+    archs = getattr(cfg, "architectures", None) or []
+    cls = getattr(transformers, archs[0], None) if archs else None
+    if cls is None:
+        cls = transformers.AutoModel
+    with quiet_transformers():
+        model = cls.from_pretrained(str(d), local_files_only=True)
+    try:
+        tok = AutoTokenizer.from_pretrained(str(d), local_files_only=True)
+    except Exception as e:
+        raise ArtifactError(f"{d}: no tokenizer could be loaded ({e})") from None
+    if getattr(tok, "pad_token", None) is None:
+        tok.pad_token = getattr(tok, "eos_token", None) or getattr(tok, "unk_token", None)
+        if tok.pad_token is None:
+            raise ArtifactError(f"{d}: the tokenizer has no padding, end-of-sequence or unknown token")
+    return model.eval(), tok
+
+
+def compress_command(
+    method: str,
+    ratio: float = 0.4,
+    *,
+    model_dir: str | Path | None = None,
+    calib_file: str | Path | None = None,
+    eval_file: str | Path | None = None,
+    out: str | Path | None = None,
+    mode: str = "auto",
+    allocation: str = "uniform",
+    n_calib: int = 64,
+    n_eval: int = 128,
+    max_length: int = 64,
+    batch_size: int = 16,
+    seed: int = 0,
+    overwrite: bool = False,
+    progress: bool = False,
+    measure_speed: bool = True,
+) -> Any:
+    """Resolve the command line's model, texts and task loss, then run :func:`rankwise.compress.job.compress_texts`.
+
+    Args:
+        method: a registered method (``swift-svd``, ``saes-svd``, ``gfwsvd``, ``svd``, ``asvd``, ``fwsvd``,
+            ``svd-llm``).
+        ratio: kept-parameter fraction of the target layers, in ``(0, 1]``.
+        model_dir: a ``save_pretrained`` directory with a tokenizer; default the embedded all-MiniLM-L6-v2.
+        calib_file: calibration texts (``.txt``: one per line; ``.jsonl``: ``{"text": ...}`` per line);
+            default: sentences of the embedded corpus's calibration split.
+        eval_file: held-out texts for the fidelity; default: the corpus's evaluation split (or, with a
+            ``calib_file`` and no ``eval_file``, the calibration texts after the first ``n_calib``).
+        out: save the compressed model there (atomically); None = do not save.
+        mode: ``auto`` / ``whole`` / ``blocks`` (see :func:`rankwise.compress.compress`).
+        allocation: ``uniform`` or ``dynamic``.
+        n_calib, n_eval: how many texts to use (sampled with ``seed`` from the defaults; the first ones
+            of a file).
+        max_length, batch_size: tokenisation and batching.
+
+    Returns:
+        :class:`~rankwise.compress.job.CompressJobResult` with ``model`` and ``calib_source`` set.
+    """
+    from rankwise.compress.config import CompressConfig
+    from rankwise.compress.job import compress_texts
+    from rankwise.core.textfiles import read_texts
+    from rankwise.core.validate import check_int
+    from rankwise.train.losses import task_loss_for
+    from rankwise.zoo.text import docstring_sentences, sentence_pairs
+
+    name = _resolve_method(method)
+    check_int("n_calib", n_calib, 2)
+    check_int("n_eval", n_eval, 1)
+    cfg = CompressConfig(method=name, ratio=ratio, allocation=allocation)
+    notes: list[str] = []
+
+    if model_dir is None:
+        from rankwise import zoo
+
+        model, tokenizer = zoo.minilm()
+        model_name = "all-MiniLM-L6-v2 (embedded)"
+    else:
+        model, tokenizer = _load_model(Path(model_dir))
+        model_name = str(model_dir)
+
+    rng = random.Random(seed)
+    if calib_file is not None:
+        texts = read_texts(calib_file)
+        calib_texts = texts[:n_calib]
+        calib_source = str(calib_file)
+        if eval_file is not None:
+            eval_texts = read_texts(eval_file)[:n_eval]
+        else:
+            eval_texts = texts[n_calib:n_calib + n_eval]
+            if not eval_texts:
+                eval_texts = calib_texts[:n_eval]
+                notes.append("no held-out text: the fidelity is measured on the calibration texts")
+    else:
+        pairs = sentence_pairs(docstring_sentences("calib"))
+        take = rng.sample(pairs, min(len(pairs), max(1, n_calib // 2)))
+        calib_texts = [a for a, _ in take] + [b for _, b in take]  # text i pairs with text i + n/2
+        calib_source = "embedded docstring corpus (calib split)"
+        if eval_file is not None:
+            eval_texts = read_texts(eval_file)[:n_eval]
+        else:
+            pool = [s for ss in docstring_sentences("eval") for s in ss]
+            eval_texts = rng.sample(pool, min(len(pool), n_eval))
+
+    loss_fn, paired = None, False
+    if cfg.method_class.needs_grad:
+        loss_fn, paired = task_loss_for(model)
+        if paired:
+            notes.append("task loss for the Fisher: in-batch contrastive loss of consecutive sentence pairs "
+                         "(temperature 0.05)" if calib_file is None else
+                         "task loss for the Fisher: in-batch contrastive loss pairing text i with text i + n/2")
+    res = compress_texts(model, tokenizer, cfg, calib_texts, eval_texts, loss_fn=loss_fn, pairs=paired, mode=mode,
+                         max_length=max_length, batch_size=batch_size, out=out, overwrite=overwrite,
+                         measure_speed=measure_speed, progress=progress)
+    return dataclasses.replace(res, model=model_name, calib_source=calib_source, notes=notes + res.notes)
 
 
 def compress_cmd(
@@ -30,8 +185,6 @@ def compress_cmd(
     """Compress a model's linear layers with an SVD method; print per-layer ranks and errors, the
     embedding fidelity on held-out text and the forward-time ratio."""
     from rich.table import Table
-
-    from rankwise.compress.command import compress_command
 
     res = compress_command(method, ratio, model_dir=model, calib_file=calib, eval_file=eval_file, out=out,
                            mode=mode, allocation=allocation, n_calib=n_calib, n_eval=n_eval, seed=seed,
