@@ -323,3 +323,23 @@ def test_report_shows_intervals_reasons_and_preconditions(repro_cache: Path, tmp
     assert rec["verdict"] == "inconclusive" and rec["reason"].startswith("precondition failed")
     assert rec["checks"][0]["kind"] == "claim" and len(rec["checks"][0]["ci"]) == 2
     assert rec["overrides"] == {"floor": 5.0} and summary["counts"]["inconclusive"] == 1
+
+
+def test_per_seed_fragments_join_like_one_table() -> None:
+    from rankwise.repro.skeleton import merge_in_order
+
+    whole, parts = Table(columns=["a", "b"]), []
+    for seed in (0, 1):
+        part = Table(columns=["a", "b"])
+        for t in (whole, part):
+            t.add("x", "a", seed)
+            if seed == 1:
+                t.add("y", "b", 2.0)
+            t.add("x", "b", 10 + seed)
+        parts.append(part)
+    joined = Table(columns=["a", "b"])
+    for p in parts:
+        joined.extend(p)
+    assert joined.to_json() == whole.to_json()
+    merged = merge_in_order([{"r": [1], "d": {"k": [1]}}, {"d": {"k": [2], "j": [3]}, "r": [4], "s": 5}])
+    assert merged == {"r": [1, 4], "d": {"k": [1, 2], "j": [3]}, "s": 5} and list(merged) == ["r", "d", "s"]
