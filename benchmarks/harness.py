@@ -11,9 +11,17 @@ names two or more implementations (e.g. ``"rankwise"`` and ``"peft"``), each a z
 * measures peak memory of each implementation in a fresh subprocess: the peak resident set size
   (``VmHWM``) while building and running it, minus the resident size after imports, so that
   one implementation's allocations cannot hide another's;
-* writes everything as JSON (``benchmarks/results/<name>.json`` by default).
+* writes everything as JSON (``benchmarks/results/<name>.json`` by default), with the raw times,
+  the spread of each ratio (quartiles of the per-round ratios ``t_impl[i] / t_anchor[i]``: the rounds
+  alternate, so a round's two times saw the same machine state), the thread count, the warm-up and
+  the number of repeats; a case may state its :class:`Goal` s and, for a growth case (one
+  implementation per problem size), the expected exponent: the harness fits ``t ~ size^p``;
+* runs every case with at least :data:`MIN_REPEATS` repeats and :data:`THREADS` torch threads
+  (``RANKWISE_BENCH_THREADS``, default 1), and in *smoke* mode (``--smoke``) each module's smallest
+  case once, to check that it runs; smoke results go to ``results/smoke/`` and are never tabulated.
 
-Run ``python -m benchmarks.run`` (all) or ``python -m benchmarks.run lora`` (one module).
+Run ``python -m benchmarks.run`` (all) or ``python -m benchmarks.run lora`` (one module);
+``python -m benchmarks.table`` turns the JSON into ``docs/benchmarks.md``.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ from __future__ import annotations
 import gc
 import importlib
 import json
+import math
 import os
 import platform
 import resource
@@ -34,10 +43,58 @@ from typing import Any, Callable
 
 Factory = Callable[[], Callable[[], Any]]
 
+#: The fewest repeats a tabulated measurement runs with (a case asking for fewer gets this many).
+MIN_REPEATS = 5
+#: Torch threads of every timed call (``RANKWISE_BENCH_THREADS``; 1 by default, so that runs compare).
+THREADS = int(os.environ.get("RANKWISE_BENCH_THREADS", "1"))
+
+
+@dataclass(frozen=True)
+class Goal:
+    """What a case should show, checked from the measured numbers.
+
+    ``metric="ratio"``: ``ratio_vs_anchor`` of ``impl`` must be ``<= max_ratio`` (e.g. 0.5 for "at
+    least 2x faster than the anchor"); ``metric="exponent"``: the fitted growth exponent of a growth case
+    must lie within ``tol`` of the case's ``expected_exponent``. ``text`` says the goal in words.
+    """
+
+    text: str
+    metric: str = "ratio"
+    impl: str | None = None
+    max_ratio: float | None = None
+    tol: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.metric not in ("ratio", "exponent"):
+            raise ValueError(f"Goal.metric must be 'ratio' or 'exponent', got {self.metric!r}")
+        if self.metric == "ratio" and (self.impl is None or self.max_ratio is None):
+            raise ValueError("a ratio Goal needs impl and max_ratio")
+
+    def check(self, entry: dict[str, Any]) -> bool | None:
+        """Met (True/False) on a result entry of :func:`run_module`; None if the entry lacks the number."""
+        if self.metric == "ratio":
+            t = entry.get("time", {}).get(self.impl)
+            return None if t is None else bool(t["ratio_vs_anchor"] <= self.max_ratio)
+        g = entry.get("growth")
+        if not g or g.get("exponent") is None or not math.isfinite(g["exponent"]):
+            return None
+        return bool(abs(g["exponent"] - g["expected_exponent"]) <= self.tol)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"text": self.text, "metric": self.metric, "impl": self.impl, "max_ratio": self.max_ratio,
+                "tol": self.tol}
+
 
 @dataclass
 class Case:
-    """One comparison: implementations (name -> factory) measured side by side."""
+    """One comparison: implementations (name -> factory) measured side by side.
+
+    ``goals``: what the case should show (:class:`Goal`). A *growth* case times one problem at several
+    sizes: ``sizes`` maps each implementation (``"d=1024"``, ...) to its size, and
+    ``expected_exponent`` is the exponent ``p`` of ``t ~ size^p`` that the algorithm's cost predicts.
+    ``smoke``: the case a smoke run executes for its module (default: the module's first case; a module
+    may instead define ``SMOKE_CASES``, small versions of its cases).
+    """
 
     name: str
     impls: dict[str, Factory]
@@ -45,12 +102,26 @@ class Case:
     params: dict[str, Any] = field(default_factory=dict)
     repeats: int = 20
     warmup: int = 3
+    goals: tuple[Goal, ...] = ()
+    sizes: dict[str, float] | None = None
+    expected_exponent: float | None = None
+    smoke: bool = False
 
     def __post_init__(self) -> None:
         if self.anchor not in self.impls:
             raise ValueError(f"case {self.name!r}: anchor {self.anchor!r} is not one of {list(self.impls)}")
         if self.repeats < 1 or self.warmup < 0:
             raise ValueError(f"case {self.name!r}: repeats must be >= 1 and warmup >= 0")
+        if self.sizes is not None:
+            if set(self.sizes) != set(self.impls) or len(self.sizes) < 2:
+                raise ValueError(f"case {self.name!r}: sizes must give a size to each of >= 2 implementations")
+            if self.expected_exponent is None:
+                raise ValueError(f"case {self.name!r}: a growth case needs expected_exponent")
+        for g in self.goals:
+            if g.metric == "ratio" and g.impl not in self.impls:
+                raise ValueError(f"case {self.name!r}: goal on unknown implementation {g.impl!r}")
+            if g.metric == "exponent" and self.sizes is None:
+                raise ValueError(f"case {self.name!r}: an exponent goal needs a growth case (sizes=...)")
 
 
 def _quantiles(xs: list[float]) -> tuple[float, float, float]:
@@ -58,15 +129,22 @@ def _quantiles(xs: list[float]) -> tuple[float, float, float]:
     return q[0], statistics.median(xs), q[2]
 
 
-def time_case(case: Case) -> dict[str, Any]:
-    """Alternating timing of every implementation of ``case``; medians, IQR and ratios."""
+def time_case(case: Case, repeats: int | None = None, warmup: int | None = None) -> dict[str, Any]:
+    """Alternating timing of every implementation of ``case``; medians, IQR, ratios and their spread.
+
+    ``repeats`` / ``warmup`` override the case's. Each implementation's entry holds ``median_s``,
+    ``q1_s``, ``q3_s``, ``n``, ``times_s`` (raw), ``ratio_vs_anchor`` (ratio of medians) and
+    ``ratio_q1`` / ``ratio_q3`` (quartiles of the per-round ratios).
+    """
+    repeats = case.repeats if repeats is None else repeats
+    warmup = case.warmup if warmup is None else warmup
     fns = {k: f() for k, f in case.impls.items()}
-    for _ in range(case.warmup):
+    for _ in range(warmup):
         for fn in fns.values():
             fn()
     times: dict[str, list[float]] = {k: [] for k in fns}
     order = list(fns)
-    for i in range(case.repeats):
+    for i in range(repeats):
         # Alternate the order too, so neither implementation always runs right after the other.
         for k in (order if i % 2 == 0 else order[::-1]):
             gc.collect()
@@ -77,9 +155,34 @@ def time_case(case: Case) -> dict[str, Any]:
     t_anchor = statistics.median(times[case.anchor])
     for k, ts in times.items():
         q1, med, q3 = _quantiles(ts)
-        out[k] = {"median_s": med, "q1_s": q1, "q3_s": q3, "n": len(ts),
-                  "ratio_vs_anchor": med / t_anchor if t_anchor > 0 else float("nan")}
+        per_round = [t / a if a > 0 else float("nan") for t, a in zip(ts, times[case.anchor])]
+        r1, _, r3 = _quantiles(per_round)
+        out[k] = {"median_s": med, "q1_s": q1, "q3_s": q3, "n": len(ts), "times_s": ts,
+                  "ratio_vs_anchor": med / t_anchor if t_anchor > 0 else float("nan"),
+                  "ratio_q1": r1, "ratio_q3": r3}
     return out
+
+
+def fit_exponent(sizes: dict[str, float], times: dict[str, Any]) -> dict[str, Any]:
+    """Least-squares slope ``p`` of ``log t`` against ``log size`` (``t ~ size^p``), with its spread.
+
+    ``times`` is :func:`time_case`'s output. The exponent is fitted on the medians; its spread is the
+    quartiles of the exponents fitted round by round (round ``i``'s time at every size).
+    """
+    names = [k for k in sizes if k in times]
+
+    def slope(ts: list[float]) -> float:
+        xs = [math.log(sizes[k]) for k in names]
+        ys = [math.log(t) if t > 0 else float("nan") for t in ts]
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        den = sum((x - mx) ** 2 for x in xs)
+        return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / den if den > 0 else float("nan")
+
+    p = slope([times[k]["median_s"] for k in names])
+    rounds = min(len(times[k].get("times_s", [])) for k in names)
+    per_round = [slope([times[k]["times_s"][i] for k in names]) for i in range(rounds)]
+    q1, _, q3 = _quantiles(per_round) if per_round else (float("nan"),) * 3
+    return {"sizes": [sizes[k] for k in names], "exponent": p, "exponent_q1": q1, "exponent_q3": q3}
 
 
 def _rss_kib() -> int:
@@ -137,6 +240,10 @@ def environment() -> dict[str, Any]:
     env = {"python": platform.python_version(), "platform": platform.platform(), "torch": torch.__version__,
            "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(),
            "time": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    try:
+        env["loadavg"] = [round(x, 2) for x in os.getloadavg()]  # a busy machine shows here
+    except OSError:  # pragma: no cover - no load average on this platform
+        pass
     for name in ("peft", "transformers"):
         try:
             env[name] = importlib.import_module(name).__version__
@@ -145,28 +252,66 @@ def environment() -> dict[str, Any]:
     return env
 
 
-def run_module(name: str, out_dir: Path | None = None, memory: bool = True, only: list[str] | None = None) -> Path:
-    """Run every case of ``benchmarks/bench_<name>.py``; write and return the JSON path."""
+def _smoke_cases(mod: Any) -> list[Case]:
+    if getattr(mod, "SMOKE_CASES", None):  # a module may give small versions of its cases
+        return list(mod.SMOKE_CASES)
+    flagged = [c for c in mod.CASES if c.smoke]
+    return flagged or list(mod.CASES[:1])
+
+
+def run_module(name: str, out_dir: Path | None = None, memory: bool = True, only: list[str] | None = None,
+               smoke: bool = False, threads: int | None = None) -> Path:
+    """Run every case of ``benchmarks/bench_<name>.py``; write and return the JSON path.
+
+    ``smoke``: only the module's smoke case (:attr:`Case.smoke`, else its first), once, no warm-up,
+    no memory subprocesses, written to ``<out_dir>/smoke/``: it checks that the benchmark runs and is
+    never tabulated. Otherwise every case runs with at least :data:`MIN_REPEATS` repeats.
+    ``threads`` (default :data:`THREADS`): torch threads while timing, recorded in the JSON.
+    """
+    import torch
+
     module = f"benchmarks.bench_{name}"
     mod = importlib.import_module(module)
+    threads = THREADS if threads is None else threads
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
     results = []
-    for case in mod.CASES:
-        if only and case.name not in only:
-            continue
-        entry: dict[str, Any] = {"case": case.name, "anchor": case.anchor, "params": case.params,
-                                 "time": time_case(case)}
-        if memory:
-            entry["memory"] = memory_case(module, case)
-        results.append(entry)
-        _print_case(entry)
+    try:
+        for case in (_smoke_cases(mod) if smoke else mod.CASES):
+            if only and case.name not in only:
+                continue
+            repeats = 1 if smoke else max(case.repeats, MIN_REPEATS)
+            warmup = 0 if smoke else case.warmup
+            entry: dict[str, Any] = {"case": case.name, "anchor": case.anchor, "params": case.params,
+                                     "repeats": repeats, "warmup": warmup, "threads": torch.get_num_threads(),
+                                     "goals": [g.to_json() for g in case.goals],
+                                     "time": time_case(case, repeats=repeats, warmup=warmup)}
+            if case.sizes is not None:
+                entry["growth"] = dict(fit_exponent(case.sizes, entry["time"]),
+                                       expected_exponent=case.expected_exponent)
+            entry["goals_met"] = [g.check(entry) for g in case.goals]
+            if memory and not smoke:
+                entry["memory"] = memory_case(module, case)
+            results.append(entry)
+            _print_case(entry)
+    finally:
+        torch.set_num_threads(before)
     out_dir = Path(out_dir or Path(__file__).resolve().parent / "results")
+    if smoke:
+        out_dir = out_dir / "smoke"
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{name}.json"
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps({"benchmark": name, "environment": environment(), "cases": results}, indent=2))
-    os.replace(tmp, path)
+    write_json(path, {"benchmark": name, "smoke": smoke, "min_repeats": 1 if smoke else MIN_REPEATS,
+                      "environment": dict(environment(), threads=threads), "cases": results})
     print(f"wrote {path}")
     return path
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    """Atomic JSON write (a temporary file, then a rename)."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    os.replace(tmp, path)
 
 
 def _print_case(entry: dict[str, Any]) -> None:
@@ -175,6 +320,9 @@ def _print_case(entry: dict[str, Any]) -> None:
         mem = entry.get("memory", {}).get(impl, {})
         m = f"{mem['peak_above_baseline_mib']:.1f} MiB" if "peak_above_baseline_mib" in mem else mem.get("error", "-")
         print(f"  {impl:<14} median {t['median_s'] * 1e3:9.3f} ms   x{t['ratio_vs_anchor']:.3f} vs anchor   peak +{m}")
+    if "growth" in entry:
+        g = entry["growth"]
+        print(f"  fitted exponent {g['exponent']:.2f} (expected {g['expected_exponent']:g})")
 
 
 if __name__ == "__main__":

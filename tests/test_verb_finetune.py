@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -33,12 +34,14 @@ def _small(**kw) -> FinetuneJob:
 
 
 OPTIONS = {"cdka": {"calib_batches": 1, "budget": "lora_r1"},
-           "daf": {"analysis_batches": 1, "analysis_every": 1, "lora_rank": 2}}  # a DAF round after step 1
+           "daf": {"calib_batches": 1, "analysis_every": 1, "rank": 2},  # a DAF round after step 1
+           "mtlora": {"rank": 2, "num_experts": 2},
+           "lora_mixer": {"rank": 2, "num_experts": 2}}
 
 
 @pytest.mark.parametrize("method,optimizer", [("lora", "adamw"), ("psoft", "adamw"), ("cdka", "adamw"),
-                                              ("daf", "adamw"), ("e2lora", "adamw"), ("lora", "adams"),
-                                              ("lora", "lracs")])
+                                              ("daf", "adamw"), ("e2lora", "adamw"), ("mtlora", "adamw"),
+                                              ("lora_mixer", "adamw"), ("lora", "adams"), ("lora", "lracs")])
 def test_trains_saves_and_reloads_identically(tmp_path, method, optimizer):
     out = tmp_path / "run"
     kw = {"options": OPTIONS[method]} if method in OPTIONS else {}
@@ -96,7 +99,8 @@ def test_bad_inputs_fail_before_any_work(tmp_path):
         (["finetune", "--method", "psoft", "--optimizer", "adams"], "use it with --method lora"),
         (["finetune", "--task", "topic", "--data", str(tmp_path / "x.jsonl")], "exactly one of --task"),
         (["finetune", "--method", "lora", "-o", "nonsense=1"], "has no field(s) nonsense"),
-        (["finetune", "--method", "cdka", "--rank", "4"], "only used with config_mode='fixed'"),
+        (["finetune", "--method", "cdka", "--rank", "4"], "--rank does not apply to cdka"),
+        (["finetune", "--method", "psoft", "-o", "rank=0"], "PSOFTConfig.rank must be an int >= 1"),
         (["finetune", "--steps", "0"], "--steps must be an int >= 1"),
         (["finetune", "--task", "no-such-task"], "no-such-task"),
         (["finetune", "--model", str(tmp_path / "missing"), "--data", str(_jsonl(tmp_path / "d.jsonl"))],
@@ -138,3 +142,69 @@ def test_corrupt_artefact_is_rejected(tmp_path):
         load_finetuned(out)
     with pytest.raises(ArtifactError, match="not a rankwise finetune directory"):
         load_finetuned(tmp_path)
+
+
+def test_the_job_lives_in_the_library_and_the_verb_reexports_it():
+    from rankwise.train import job
+    from rankwise.verbs import finetune as verb
+
+    assert verb.FinetuneJob is job.FinetuneJob and verb.FinetuneJobResult is job.FinetuneJobResult
+    # every registered adapter family is reachable, dispatched through the registry
+    assert {"lora", "cdka", "psoft", "e2lora", "daf", "mtlora", "lora_mixer"} <= set(job.finetune_methods())
+    src = Path(job.__file__).read_text()
+    assert "rankwise.zoo" not in src and "rankwise.adapt" not in src
+    for method in ("cdka", "daf", "e2lora", "psoft", "mtlora", "lora_mixer"):
+        assert f'"{method}"' not in src, f"per-method branch for {method} in train/job.py"
+
+
+def test_deprecated_option_names_still_work(tmp_path):
+    from rankwise.adapt.daf import DAFConfig
+    from rankwise.train.job import method_config
+
+    with pytest.warns(DeprecationWarning, match="lora_rank"):
+        cfg = method_config(FinetuneJob(method="daf", options={"lora_rank": 2, "analysis_batches": 1}), DAFConfig)
+    assert cfg.rank == 2 and cfg.calib_batches == 1
+
+
+def test_classes_come_from_the_labels_present(tmp_path):
+    """Regression: one row labelled 10**12 made finetune allocate max(label) + 1 classes."""
+    from rankwise.train.job import MAX_CLASSES, class_labels
+    from rankwise.verbs.finetune import load_data
+
+    labels, (rows,) = class_labels([("a", 0), ("b", 5), ("c", 5)])
+    assert labels == ["0", "5"] and [y for _, y in rows] == [0, 1, 1]
+    data = tmp_path / "huge.jsonl"
+    data.write_text("".join(json.dumps({"text": f"text {i}", "label": lab}) + "\n"
+                            for i, lab in enumerate([0, 1, 10**12] * 4)))
+    d = load_data(FinetuneJob(data=data))
+    assert d.labels == ["0", "1", str(10**12)]
+    assert sorted({y for _, y in d.train + d.test}) == [0, 1, 2]
+    too_many = tmp_path / "many.jsonl"
+    too_many.write_text("".join(json.dumps({"text": f"t{i}", "label": f"c{i}"}) + "\n" for i in range(MAX_CLASSES + 1)))
+    r = CliRunner().invoke(app, ["finetune", "--data", str(too_many), "--steps", "1"])
+    assert r.exit_code == 2 and f"at most {MAX_CLASSES} classes" in r.output
+
+
+def test_unwritable_out_fails_before_any_work(tmp_path, monkeypatch):
+    """Regression: an unwritable --out was found only at the first checkpoint, after training."""
+    from rankwise.train import job as job_mod
+
+    def no_work(*a, **k):
+        raise AssertionError("the model was built before --out was checked")
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    with pytest.raises((NotADirectoryError, PermissionError), match="--out"):
+        job_mod.run_finetune(_small(out=blocker / "run"), job_mod.FinetuneData(["a", "b"], [("x", 0)], [("y", 1)]),
+                             no_work)
+    r = CliRunner().invoke(app, ["finetune", "--steps", "1", "--out", str(blocker / "run")])
+    assert r.exit_code == 2 and "--out" in r.output and len(r.output.strip().splitlines()) == 1, r.output
+    if os.geteuid() != 0:  # root ignores permission bits
+        ro = tmp_path / "read-only"
+        ro.mkdir()
+        ro.chmod(0o500)
+        try:
+            with pytest.raises(PermissionError, match="cannot write"):
+                job_mod.validate_job(_small(out=ro / "run"))
+        finally:
+            ro.chmod(0o700)

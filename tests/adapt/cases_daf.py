@@ -15,16 +15,16 @@ def cases(contract: Any) -> list:
             from rankwise.adapt.daf import DAFConfig, adapt
 
             target: Any = nn.Linear if kind == "mlp" else ("query", "value")
-            config = DAFConfig(lora_rank=4, lora_alpha=8.0, analysis_batches=2, seed=seed, **cfg)
+            config = DAFConfig(rank=4, alpha=8.0, calib_batches=2, seed=seed, **cfg)
             calib, loss_fn = contract._calibration(kind, seed)
-            return adapt(model, config, target=target, name=adapter, batches=calib, loss_fn=loss_fn)
+            return adapt(model, config, target=target, name=adapter, calib=calib, loss_fn=loss_fn)
 
         def bad_rank(model: nn.Module, kind: str) -> None:
             from rankwise.adapt.daf import DAFConfig, adapt
 
             target: Any = nn.Linear if kind == "mlp" else ("query", "value")
             calib, loss_fn = contract._calibration(kind, 0)
-            adapt(model, DAFConfig(lora_rank=10_000), target=target, batches=calib, loss_fn=loss_fn)
+            adapt(model, DAFConfig(rank=10_000), target=target, calib=calib, loss_fn=loss_fn)
 
         api: Callable[[str], Callable[..., Any]] = lambda fn: contract._method_api(mod, fn)  # noqa: E731
         return contract.AdapterCase(name=name, apply=apply, merge=api("merge"), unmerge=api("unmerge"),

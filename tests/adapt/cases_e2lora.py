@@ -4,7 +4,7 @@ E²LoRA plans from calibration gradients (the contract's seeded regression loss 
 outputs; one fixed calibration set so that the ``seed`` of ``apply`` only changes the initialisation).
 On the tiny BERT the query/value types have two layers each and share one pair per interval; the
 tiny MLP's three Linear layers all differ in shape, so it runs with ``depth_regex=None`` (every layer
-its own type, i.e. plain LoRA of rank ``base_rank``) -- with the default it is rejected (see
+its own type, i.e. plain LoRA of rank ``rank``) -- with the default it is rejected (see
 tests/adapt/test_e2lora.py).
 """
 
@@ -23,7 +23,7 @@ def cases(contract: Any) -> list:
             extra = {"depth_regex": None} if kind == "mlp" else {}
             target: Any = nn.Linear if kind == "mlp" else ("query", "value")
             calib, loss_fn = contract._calibration(kind, 0)
-            config = E2LoRAConfig(base_rank=4, alpha=8.0, seed=seed, n_calib_batches=2, **extra, **cfg)
+            config = E2LoRAConfig(rank=4, alpha=8.0, seed=seed, calib_batches=2, **extra, **cfg)
             return adapt(model, config, target=target, name=adapter, calib=calib, loss_fn=loss_fn)
 
         def bad_rank(model: nn.Module, kind: str) -> None:
@@ -32,7 +32,7 @@ def cases(contract: Any) -> list:
             extra = {"depth_regex": None} if kind == "mlp" else {}
             target: Any = nn.Linear if kind == "mlp" else ("query", "value")
             calib, loss_fn = contract._calibration(kind, 0)
-            adapt(model, E2LoRAConfig(base_rank=10_000, **extra), target=target, calib=calib, loss_fn=loss_fn)
+            adapt(model, E2LoRAConfig(rank=10_000, **extra), target=target, calib=calib, loss_fn=loss_fn)
 
         mod = "rankwise.adapt.e2lora"
         api = contract._method_api

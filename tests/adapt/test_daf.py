@@ -34,14 +34,14 @@ def loss_fn(model: nn.Module, batch) -> torch.Tensor:
 
 
 def config(**kw) -> daf.DAFConfig:
-    base = dict(lora_rank=RANK, lora_alpha=4.0, budget_params=112, analysis_batches=2, analysis_every=2,
+    base = dict(rank=RANK, alpha=4.0, budget_params=112, calib_batches=2, analysis_every=2,
                 analysis_train_mode=False)
     base.update(kw)
     return daf.DAFConfig(**base)
 
 
 def adapted(seed: int = 0, **kw) -> nn.Module:
-    return daf.adapt(mlp(seed), config(**kw), target=nn.Linear, batches=data(), loss_fn=loss_fn)
+    return daf.adapt(mlp(seed), config(**kw), target=nn.Linear, calib=data(), loss_fn=loss_fn)
 
 
 def roles(model: nn.Module, name: str = "default") -> dict[str, str]:
@@ -142,7 +142,7 @@ def test_round0_measures_the_base_model_other_adapters_off():
     ref = mlp()
     base_scores = daf.taylor_sensitivity(ref, data()[:2], loss_fn,
                                          layers=[(n, ref.get_submodule(n)) for n in CANDIDATES], train_mode=False)
-    daf.adapt(model, config(), target=nn.Linear, name="second", batches=data(), loss_fn=loss_fn)
+    daf.adapt(model, config(), target=nn.Linear, name="second", calib=data(), loss_fn=loss_fn)
     got = {r["layer"]: r["score"] for r in daf.report(model, "second")}
     for n in CANDIDATES:
         assert got[n] == pytest.approx(base_scores[n], rel=1e-9)
@@ -323,8 +323,8 @@ def test_save_load_keeps_roles_scores_and_frozen_units(tmp_path):
 # bad input and edge cases
 # ------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kw", [dict(lora_rank=0), dict(lora_alpha=-1.0), dict(budget_params=0),
-                                dict(budget_fraction=0.0), dict(budget_fraction=1.5), dict(analysis_batches=0),
+@pytest.mark.parametrize("kw", [dict(rank=0), dict(alpha=-1.0), dict(budget_params=0),
+                                dict(budget_fraction=0.0), dict(budget_fraction=1.5), dict(calib_batches=0),
                                 dict(analysis_every=0), dict(analysis_every=1.5), dict(ema=1.0),
                                 dict(change_thresholds=(0.1,)), dict(rank_by="x"), dict(fill="x"),
                                 dict(dropout=1.0), dict(seed=-1), dict(target=())])
@@ -337,16 +337,16 @@ def test_budget_below_one_unit_names_cheapest_cost():
     model = mlp()
     snap = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(ValueError, match="costs 40 parameters"):
-        daf.adapt(model, config(budget_params=39), target=nn.Linear, batches=data(), loss_fn=loss_fn)
+        daf.adapt(model, config(budget_params=39), target=nn.Linear, calib=data(), loss_fn=loss_fn)
     assert list(model.state_dict()) == list(snap) and not daf.daf_layers(model)
 
 
 def test_analysis_batches_larger_than_loader_warns_and_zero_batches_errors():
     with pytest.warns(UserWarning, match="only 2 batch"):
-        daf.adapt(mlp(), config(analysis_batches=5), target=nn.Linear, batches=data(2), loss_fn=loss_fn)
+        daf.adapt(mlp(), config(calib_batches=5), target=nn.Linear, calib=data(2), loss_fn=loss_fn)
     model = mlp()
     with pytest.raises(ValueError, match="empty"):
-        daf.adapt(model, config(), target=nn.Linear, batches=[], loss_fn=loss_fn)
+        daf.adapt(model, config(), target=nn.Linear, calib=[], loss_fn=loss_fn)
     assert not daf.daf_layers(model)
     with pytest.raises(ValueError, match="batches"):
         daf.adapt(model, config(), target=nn.Linear)
@@ -394,13 +394,13 @@ def test_optimizer_without_param_groups_requires_factory():
 def test_selection_and_target_errors_leave_model_unchanged():
     model = mlp()
     with pytest.raises(SelectionError):
-        daf.adapt(model, config(), target="nothing_here", batches=data(), loss_fn=loss_fn)
+        daf.adapt(model, config(), target="nothing_here", calib=data(), loss_fn=loss_fn)
     with pytest.raises(SelectionError):
         daf.adapt(model, config(), target=nn.Linear, selection=["9"])
     with pytest.raises(ValueError, match="above the budget"):
         daf.adapt(model, config(), target=nn.Linear, selection=CANDIDATES)
-    with pytest.raises(ValueError, match="lora_rank"):
-        daf.adapt(model, config(lora_rank=5), target=nn.Linear, batches=data(), loss_fn=loss_fn)
+    with pytest.raises(ValueError, match="rank=5"):
+        daf.adapt(model, config(rank=5), target=nn.Linear, calib=data(), loss_fn=loss_fn)
     assert not daf.daf_layers(model)
     daf.adapt(model, config(), target=nn.Linear, selection=["2"])
     assert [n for n, r in roles(model).items() if r == "training"] == ["2"]

@@ -159,7 +159,7 @@ def test_identity_at_init_and_parameter_identity():
     y0 = out(base)
     model = tiny_bert()
     calib, loss_fn = calibration()
-    E.adapt(model, E.E2LoRAConfig(base_rank=4, alpha=8, n_calib_batches=2), calib=calib, loss_fn=loss_fn)
+    E.adapt(model, E.E2LoRAConfig(rank=4, alpha=8, calib_batches=2), calib=calib, loss_fn=loss_fn)
     torch.testing.assert_close(out(model), y0, atol=1e-6, rtol=0)
     plan = E.get_plan(model)
     expect = sum(r * (32 + 32) for t in plan.types.values() for r in t.ranks)
@@ -170,7 +170,7 @@ def test_identity_at_init_and_parameter_identity():
 
 def _interval_model(sharing: str = "lora") -> nn.Module:
     model = tiny_bert()
-    cfg = E.E2LoRAConfig(base_rank=4, alpha=8, sharing=sharing)
+    cfg = E.E2LoRAConfig(rank=4, alpha=8, sharing=sharing)
     plan = E.uniform_plan(model, cfg, intervals=2)  # intervals [[0, 1], [2, 3]] per type
     plan.types["encoder.layer.*.attention.self.query"].ranks = [3, 5]
     return E.apply_e2lora(model, plan, cfg)
@@ -234,7 +234,7 @@ def test_one_interval_per_layer_uniform_rank_equals_lora():
     from rankwise.adapt import lora
 
     ours = tiny_bert()
-    cfg = E.E2LoRAConfig(base_rank=4, alpha=8)
+    cfg = E.E2LoRAConfig(rank=4, alpha=8)
     E.apply_e2lora(ours, E.uniform_plan(ours, cfg, intervals="each"), cfg)
     ref = lora.adapt(tiny_bert(), lora.LoraConfig(rank=4, alpha=8))
     torch.manual_seed(3)
@@ -286,7 +286,7 @@ def test_sharelora_variant_slices_one_A_per_type():
 def test_save_load_restores_sharing_and_plan(tmp_path):
     model = tiny_bert()
     calib, loss_fn = calibration()
-    E.adapt(model, E.E2LoRAConfig(base_rank=4, alpha=8, threshold=0.0), calib=calib, loss_fn=loss_fn)
+    E.adapt(model, E.E2LoRAConfig(rank=4, alpha=8, threshold=0.0), calib=calib, loss_fn=loss_fn)
     with torch.no_grad():
         for p in model.parameters():
             if p.requires_grad:
@@ -309,8 +309,8 @@ def test_save_load_restores_sharing_and_plan(tmp_path):
 
 
 def test_plan_is_data_dependent():
-    p1 = E.plan_e2lora(tiny_bert(6), *calibration(0, freq=1.0), E.E2LoRAConfig(base_rank=4))
-    p2 = E.plan_e2lora(tiny_bert(6), *calibration(7, freq=0.05), E.E2LoRAConfig(base_rank=4))
+    p1 = E.plan_e2lora(tiny_bert(6), *calibration(0, freq=1.0), E.E2LoRAConfig(rank=4))
+    p2 = E.plan_e2lora(tiny_bert(6), *calibration(7, freq=0.05), E.E2LoRAConfig(rank=4))
     key = "encoder.layer.*.attention.self.query"
     assert p1.types[key].entropies != p2.types[key].entropies
     assert p1.to_dict()["types"] != p2.to_dict()["types"]
@@ -318,8 +318,8 @@ def test_plan_is_data_dependent():
 
 def test_block_granularity_and_cosine_share_one_partition():
     calib, loss_fn = calibration()
-    for cfg in (E.E2LoRAConfig(base_rank=4, granularity="block"),
-                E.E2LoRAConfig(base_rank=4, granularity="block", similarity="cosine")):
+    for cfg in (E.E2LoRAConfig(rank=4, granularity="block"),
+                E.E2LoRAConfig(rank=4, granularity="block", similarity="cosine")):
         plan = E.plan_e2lora(tiny_bert(6), calib, loss_fn, cfg)
         q, v = plan.types.values()
         assert q.intervals == v.intervals and q.ranks == v.ranks and q.entropies == v.entropies
@@ -328,16 +328,16 @@ def test_block_granularity_and_cosine_share_one_partition():
 
 def test_ablation_switches():
     calib, loss_fn = calibration()
-    hra_only = E.plan_e2lora(tiny_bert(6), calib, loss_fn, E.E2LoRAConfig(base_rank=4, lss=False))
+    hra_only = E.plan_e2lora(tiny_bert(6), calib, loss_fn, E.E2LoRAConfig(rank=4, lss=False))
     assert all(t.intervals == [[i] for i in range(6)] for t in hra_only.types.values())
-    lss_only = E.plan_e2lora(tiny_bert(6), calib, loss_fn, E.E2LoRAConfig(base_rank=4, hra=False))
+    lss_only = E.plan_e2lora(tiny_bert(6), calib, loss_fn, E.E2LoRAConfig(rank=4, hra=False))
     assert all(set(t.ranks) == {4} for t in lss_only.types.values())
 
 
 def test_single_layer_is_plain_lora():
     model = tiny_bert(1)
     calib, loss_fn = calibration()
-    E.adapt(model, E.E2LoRAConfig(base_rank=4), calib=calib, loss_fn=loss_fn)
+    E.adapt(model, E.E2LoRAConfig(rank=4), calib=calib, loss_fn=loss_fn)
     for t in E.get_plan(model).types.values():
         assert t.intervals == [[0]] and t.ranks == [4]
 
@@ -346,9 +346,9 @@ def test_single_layer_is_plain_lora():
 # bad input
 # ------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kwargs", [dict(base_rank=0), dict(base_rank=2.0), dict(alpha=0), dict(alpha=float("nan")),
+@pytest.mark.parametrize("kwargs", [dict(rank=0), dict(rank=2.0), dict(alpha=0), dict(alpha=float("nan")),
                                     dict(threshold="fixed"), dict(threshold=1.5), dict(hra_score="max"),
-                                    dict(rounding="floor"), dict(granularity="model"), dict(n_calib_batches=0),
+                                    dict(rounding="floor"), dict(granularity="model"), dict(calib_batches=0),
                                     dict(lss=1), dict(similarity="kl"), dict(sharing="vera"),
                                     dict(depth_regex="layer"), dict(depth_regex="("), dict(dropout=1.0),
                                     dict(seed=1.5), dict(target=())])
@@ -363,10 +363,10 @@ def test_different_shapes_in_one_type_raise():
     snap = snapshot(model)
     batches = [torch.randn(4, 16)]
     with pytest.raises(ValueError, match="different shapes"):
-        E.adapt(model, E.E2LoRAConfig(base_rank=2), target=nn.Linear, calib=batches,
+        E.adapt(model, E.E2LoRAConfig(rank=2), target=nn.Linear, calib=batches,
                 loss_fn=lambda m, b: m(b).square().mean())
     assert_unchanged(model, snap)
-    E.adapt(model, E.E2LoRAConfig(base_rank=2, depth_regex=None), target=nn.Linear, calib=batches,
+    E.adapt(model, E.E2LoRAConfig(rank=2, depth_regex=None), target=nn.Linear, calib=batches,
             loss_fn=lambda m, b: m(b).square().mean())
     assert len(E.e2lora_layers(model)) == 3
 
@@ -404,18 +404,18 @@ def test_mixed_sign_entropies_raise_with_advice():
 def test_bad_rank_and_bad_plan_leave_model_unchanged():
     model = tiny_bert()
     calib, loss_fn = calibration()
-    E.adapt(model, E.E2LoRAConfig(base_rank=2), calib=calib, loss_fn=loss_fn, name="first")
+    E.adapt(model, E.E2LoRAConfig(rank=2), calib=calib, loss_fn=loss_fn, name="first")
     snap = snapshot(model)
-    with pytest.raises(ValueError, match="base_rank=33"):
-        E.adapt(model, E.E2LoRAConfig(base_rank=33), calib=calib, loss_fn=loss_fn, name="second")
+    with pytest.raises(ValueError, match="rank=33"):
+        E.adapt(model, E.E2LoRAConfig(rank=33), calib=calib, loss_fn=loss_fn, name="second")
     with pytest.raises(ValueError, match="already has an adapter"):
-        E.adapt(model, E.E2LoRAConfig(base_rank=2), calib=calib, loss_fn=loss_fn, name="first")
-    plan = E.uniform_plan(tiny_bert(), E.E2LoRAConfig(base_rank=2))
+        E.adapt(model, E.E2LoRAConfig(rank=2), calib=calib, loss_fn=loss_fn, name="first")
+    plan = E.uniform_plan(tiny_bert(), E.E2LoRAConfig(rank=2))
     plan.types["encoder.layer.*.attention.self.query"].layers[0] = "encoder.layer.0.nope"
     with pytest.raises(ValueError, match="does not exist"):
         E.apply_e2lora(model, plan, name="third")
     with pytest.raises(ValueError, match="adapter name"):
-        E.adapt(model, E.E2LoRAConfig(base_rank=2), calib=calib, loss_fn=loss_fn, name="a.b")
+        E.adapt(model, E.E2LoRAConfig(rank=2), calib=calib, loss_fn=loss_fn, name="a.b")
     assert_unchanged(model, snap)
 
 

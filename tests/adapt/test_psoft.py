@@ -201,7 +201,7 @@ def test_same_function_as_peft_psoft_with_singular_values_on_the_output_side(neu
 # ------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(r=0), "r must be"),
+    (dict(rank=0), "rank must be"),
     (dict(cayley="pade"), "cayley"),
     (dict(neumann_terms=-1), "neumann_terms"),
     (dict(neumann_eps=1.0), "neumann_eps"),

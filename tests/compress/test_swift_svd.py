@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import copy
-import math
-import warnings
 
 import pytest
 import torch
@@ -448,3 +446,128 @@ def test_repro_seed_draws_the_calibration_pairs_not_the_evaluation_set():
     assert p0 != p1 and len(p0) == len(p1) == 8 and c0 == [s for p in p0 for s in p]
     assert repro._data(0, 8, 16) == (c0, e0, p0)  # deterministic
     assert not set(e0) & set(c0 + c1)  # disjoint splits
+
+
+# ----------------------------------------------------------------------------------------------
+# the exact reduction for layers wider at the output (m > n) and the float32 bound
+
+
+@pytest.mark.parametrize("m,n,N", [(96, 24, 200), (200, 50, 30), (24, 96, 200), (64, 64, 100)])
+def test_reduction_matches_the_full_eigendecomposition(m, n, N):
+    from rankwise.compress.swift_svd import swift_svd_spectrum
+
+    W, X = _problem(m, n, N, seed=m + n)
+    C = output_covariance(W, X)
+    lam_full, V_full = swift_svd_spectrum(C)
+    lam, V = swift_svd_spectrum(C, weight=W)
+    assert V.shape == (m, min(m, n))  # reduced to the n x n problem only when m > n
+    assert lam.shape == (m,)
+    # spectrum: same eigenvalues to 1e-12 of the largest (the m - n extra ones are zero)
+    assert float((lam - lam_full).abs().max()) <= 1e-12 * float(lam_full[0])
+    for k in (1, min(m, n, N) // 2, min(m, n) - 1):
+        f_red = swift_svd_factors(W, None, k, spectrum=(lam, V))
+        f_full = swift_svd_factors(W, None, k, spectrum=(lam_full, V_full))
+        # the factors are unique up to the signs of the eigenvectors; their product is unique
+        P_red, P_full = f_red.A @ f_red.B, f_full.A @ f_full.B
+        if k < min(n, N):  # inside the data's rank there is an eigengap
+            assert float((P_red - P_full).norm() / P_full.norm()) <= 1e-10
+        assert _err(W, X, f_red) == pytest.approx(swift_svd_error(lam_full, k), rel=1e-9, abs=1e-9 * float(lam[0]))
+
+
+def test_reduction_falls_back_when_C_is_not_in_the_span_of_W():
+    from rankwise.compress.swift_svd import swift_svd_spectrum
+
+    W, X = _problem(40, 10, 100)
+    C = output_covariance(torch.randn(40, 10, generator=_gen(5), dtype=F64), X)  # another weight's statistics
+    lam, V = swift_svd_spectrum(C, weight=W)
+    lam_full, _ = swift_svd_spectrum(C)
+    assert V.shape == (40, 40) and torch.allclose(lam, lam_full)
+    with pytest.raises(ValueError, match="rows"):
+        swift_svd_spectrum(C, weight=W[:5])
+
+
+@pytest.mark.parametrize("m,n", [(120, 30), (30, 120), (80, 80)])
+def test_float32_factors_are_within_the_documented_bound(m, n):
+    from rankwise.compress.swift_svd import float32_excess_bound, swift_svd_spectrum
+
+    W, X = _problem(m, n, 4 * max(m, n), seed=7)
+    C = output_covariance(W, X)
+    lam = swift_svd_spectrum(C, weight=W)[0]
+    for k in (2, min(m, n) // 3, min(m, n) - 2):
+        e64 = _err(W, X, swift_svd_factors(W, C, k))
+        f32 = swift_svd_factors(W.float(), C, k, dtype=torch.float32)
+        e32 = _err(W, X, type(f32)(f32.B.double(), f32.A.double()))
+        bound = float32_excess_bound(lam, k, min(m, n))
+        assert e64 == pytest.approx(swift_svd_error(lam, k), rel=1e-9, abs=1e-10 * float(lam[0]))
+        assert abs(e32 - e64) <= bound
+        assert bound <= 1e-2 * float(lam[0])  # the bound itself is small at these sizes
+
+
+def test_swift_svd_info_reports_the_float32_bound():
+    W, X = _problem(48, 12, 100)
+    lin = nn.Linear(12, 48).double()
+    with torch.no_grad():
+        lin.weight.copy_(W)
+    model = nn.Sequential(lin)
+    rep = compress(model, SwiftSVDConfig(param_ratio=0.5, allocation="uniform", compute_dtype=torch.float32),
+                   calib=[X[:50], X[50:]], target=nn.Linear)
+    (layer,) = rep.layers
+    assert 0 <= layer.info["float32_excess_bound_rel"] < 1e-2
+
+
+# ----------------------------------------------------------------------------------------------
+# larger than memory: compress_checkpoint on a sharded checkpoint
+
+
+def _llama_wide(seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    # intermediate 40 > hidden 16: gate/up are wider at the output and go through the reduction
+    cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=40, num_hidden_layers=3, num_attention_heads=2,
+                      num_key_value_heads=1, max_position_embeddings=32, tie_word_embeddings=False)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def test_compress_checkpoint_of_sharded_llama_is_identical_to_whole_mode(tmp_path, monkeypatch):
+    import rankwise.compress.blockwise as blockwise
+    import rankwise.compress.checkpoint as checkpoint
+    from rankwise.compress import compress_checkpoint, load_compressed
+
+    base = _llama_wide()
+    base.save_pretrained(tmp_path / "src", max_shard_size="20KB")
+    assert (tmp_path / "src" / "model.safetensors.index.json").is_file()  # sharded input
+    g = _gen(3)
+    batches = [{"input_ids": torch.randint(0, 64, (2, 12), generator=g)} for _ in range(3)]
+    cfg = SwiftSVDConfig(param_ratio=0.5, allocation="uniform")
+
+    calls = {"allocator": 0, "released": []}
+    real_fix, real_release = checkpoint.fix_mmap_threshold, blockwise.release_stats
+    monkeypatch.setattr(checkpoint, "fix_mmap_threshold", lambda *a: calls.__setitem__("allocator", 1) or real_fix(*a))
+    monkeypatch.setattr(blockwise, "release_stats", lambda s: calls["released"].append(real_release(s)))
+
+    whole = copy.deepcopy(base)
+    rw = compress(whole, cfg, calib=batches, mode="whole")
+    rc = compress_checkpoint(tmp_path / "src", cfg, batches, tmp_path / "out")
+    assert calls["allocator"] == 1  # the allocator is handled inside compress_checkpoint
+    # every block's float64 buffers were dropped once its layers were fitted (7 targets x (m^2) float64)
+    assert len(calls["released"]) == 3 and all(b > 0 for b in calls["released"])
+    assert rc.ranks == rw.ranks and rc.layer_errors == rw.layer_errors
+    back = load_compressed(tmp_path / "out")
+    with torch.no_grad():
+        for b in batches:
+            assert torch.equal(back(**b).logits, whole(**b).logits)
+
+
+def test_release_stats_drops_every_buffer():
+    from rankwise.compress.calibration import release_stats
+
+    lin = nn.Sequential(nn.Linear(6, 9))
+    with StatsCollector(lin, target=nn.Linear, kinds=("output_cov", "input_cov")) as col:
+        lin(torch.randn(20, 6))
+    stats = col.results()
+    (st,) = stats.values()
+    assert st.yty is not None and st.xtx is not None
+    freed = release_stats(stats)
+    assert freed >= 8 * (9 * 9 + 6 * 6)
+    assert st.yty is None and st.xtx is None and st.n_tokens == 20

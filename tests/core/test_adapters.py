@@ -47,6 +47,27 @@ class DeltaLinear(AdapterLayer):
             y = y + x @ self.deltas[n].T
         return y
 
+    # artefact hooks (AdapterMethod.save_adapter / load_adapter)
+    def export_adapter(self, name):
+        return {"delta": self.deltas[name].detach()}, dict(self.adapter_config[name])
+
+    @classmethod
+    def artifact_keys(cls, module, record, context):
+        if not isinstance(record.get("n"), int):
+            raise ValueError("n")
+        return {"delta": f"{module}.delta"}
+
+    @classmethod
+    def artifact_fit(cls, model, module, base, tensors, record, context):
+        if tuple(tensors["delta"].shape) != tuple(base.weight.shape):
+            return f"module {module!r}: delta {tuple(tensors['delta'].shape)} does not fit {tuple(base.weight.shape)}"
+        return None
+
+    def import_adapter(self, name, tensors, record, context):
+        if context.shared.get("fail_at") == self.layer_name:
+            raise ValueError("injected failure")
+        self.add(name, tensors["delta"])
+
 
 def _model(names: tuple[str, ...] = ("a",), seed: int = 0) -> nn.Sequential:
     g = torch.Generator().manual_seed(seed)
@@ -335,3 +356,129 @@ def test_merge_refuses_a_sum_that_overflows_the_weight_dtype():
     with pytest.raises(NumericalError, match="overflows torch.float16"):
         layer.merge()
     assert torch.equal(base.weight, w0) and layer.merged_adapters == []
+
+
+# ------------------------------------------------------------------------------------------------
+# AdapterMethod: the whole model-level API from the layer class and its two artefact hooks
+# ------------------------------------------------------------------------------------------------
+
+METHOD = adapters.AdapterMethod(DeltaLinear, "rankwise.test_delta")
+
+
+def _state(model):
+    return ([(n, type(m).__name__) for n, m in model.named_modules()],
+            {k: v.clone() for k, v in model.state_dict().items()})
+
+
+def _same(a, b):
+    assert a[0] == b[0] and a[1].keys() == b[1].keys() and all(torch.equal(a[1][k], b[1][k]) for k in a[1])
+
+
+def test_method_save_load_round_trip_is_bit_exact(tmp_path):
+    from rankwise.core import io
+
+    model = _model(("a", "b"))
+    METHOD.set_active(model, "b")
+    METHOD.save_adapter(model, tmp_path / "ad", "b")
+    tensors, meta = io.load_tensors(tmp_path / "ad" / adapters.WEIGHTS_FILE)
+    assert meta["kind"] == "rankwise.test_delta" and set(tensors) == {"0.delta", "2.delta"}
+    assert io.read_json(tmp_path / "ad" / adapters.CONFIG_FILE)["method"] == "test_delta"
+    fresh = _model(("x",))
+    METHOD.load_adapter(fresh, tmp_path / "ad", "loaded")
+    for i in (0, 2):
+        assert torch.equal(fresh[i].deltas["loaded"], model[i].deltas["b"])
+        assert fresh[i].active_adapters == ["loaded"] and not fresh[i].deltas["x"].requires_grad
+    METHOD.save_adapter(model, tmp_path / "ad", "a")  # a directory it wrote itself is replaced
+    with pytest.raises(Exception, match="overwrite"):
+        (tmp_path / "mine").mkdir()
+        (tmp_path / "mine" / "notes.txt").write_text("keep")
+        METHOD.save_adapter(model, tmp_path / "mine", "a")
+
+
+def test_method_load_checks_everything_before_changing_the_model(tmp_path):
+    from rankwise.core import io
+    from rankwise.core.errors import ArtifactError
+
+    model = _model(("a",))
+    METHOD.save_adapter(model, tmp_path / "ad", "a")
+    other = _model(("a",), seed=1)
+    before = _state(other)
+    with pytest.raises(ArtifactError, match="different base model"):
+        METHOD.load_adapter(other, tmp_path / "ad")
+    with pytest.raises(ArtifactError, match="no such adapter directory"):
+        METHOD.load_adapter(other, tmp_path / "missing")
+    tensors, meta = io.load_tensors(tmp_path / "ad" / adapters.WEIGHTS_FILE)
+    (tmp_path / "kind").mkdir()
+    io.save_tensors(tmp_path / "kind" / adapters.WEIGHTS_FILE, tensors, dict(meta, kind="rankwise.other"))
+    with pytest.raises(ArtifactError, match="not a rankwise Test adapter"):
+        METHOD.load_adapter(other, tmp_path / "kind")
+    (tmp_path / "extra").mkdir()
+    io.save_tensors(tmp_path / "extra" / adapters.WEIGHTS_FILE, dict(tensors, stray=torch.ones(1)), meta)
+    with pytest.raises(ArtifactError, match="unexpected \\['stray'\\]"):
+        METHOD.load_adapter(other, tmp_path / "extra", check_base=False)
+    (tmp_path / "bad").mkdir()
+    io.save_tensors(tmp_path / "bad" / adapters.WEIGHTS_FILE, tensors,
+                    dict(meta, modules=dict(meta["modules"], **{"2": {"n": "x"}})))
+    with pytest.raises(ArtifactError, match="bad metadata for module '2'"):
+        METHOD.load_adapter(other, tmp_path / "bad", check_base=False)
+    (tmp_path / "fit").mkdir()
+    io.save_tensors(tmp_path / "fit" / adapters.WEIGHTS_FILE, dict(tensors, **{"2.delta": torch.zeros(3, 3)}), meta)
+    with pytest.raises(ArtifactError, match="does not fit this model: module '2': delta"):
+        METHOD.load_adapter(other, tmp_path / "fit", check_base=False)
+    _same(_state(other), before)
+
+
+def test_method_load_is_all_or_nothing_when_a_layer_fails(tmp_path, monkeypatch):
+    from rankwise.core.errors import ArtifactError
+
+    model = _model(("a",))
+    METHOD.save_adapter(model, tmp_path / "ad", "a")
+    target = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 4))
+    target.load_state_dict({k.replace(".base_layer", ""): v for k, v in model.state_dict().items()
+                            if "deltas" not in k})
+    before = _state(target)
+    real = adapters.ArtifactContext
+
+    def failing(*a, **k):
+        ctx = real(*a, **k)
+        ctx.shared["fail_at"] = "2"
+        return ctx
+    monkeypatch.setattr(adapters, "ArtifactContext", failing)
+    with pytest.raises(ArtifactError, match="injected failure"):
+        METHOD.load_adapter(target, tmp_path / "ad")
+    _same(_state(target), before)  # layer 0 was wrapped and loaded, then put back
+
+
+def test_method_refuses_loading_while_merged_and_unload_merges(tmp_path):
+    model = _model(("a",))
+    METHOD.save_adapter(model, tmp_path / "ad", "a")
+    x = torch.randn(3, 6, generator=torch.Generator().manual_seed(5))
+    y = model(x)
+    METHOD.merge(model)
+    with pytest.raises(RankwiseError, match="unmerge the Test adapters before loading one"):
+        METHOD.load_adapter(model, tmp_path / "ad", "b")
+    METHOD.unmerge(model)
+    out = METHOD.unload(model, merge=True)
+    assert isinstance(out[0], nn.Linear) and torch.allclose(out(x), y, atol=1e-5)
+    with pytest.warns(DeprecationWarning, match="merge_first"):
+        METHOD.unload(_model(("a",)), merge_first=False)
+
+
+def test_method_delete_unwraps_empty_layers():
+    model = _model(("a", "b"))
+    METHOD.delete_adapter(model, "a")
+    assert METHOD.adapter_names(model) == ["b"]
+    METHOD.delete_adapter(model, "b")
+    assert not METHOD.layers(model) and isinstance(model[0], nn.Linear)
+
+
+class _NoMerge(DeltaLinear):
+    mergeable = False
+
+
+def test_method_of_a_family_that_cannot_merge():
+    m = adapters.AdapterMethod(_NoMerge, "rankwise.nomerge", no_merge="these cannot be merged: routed")
+    with pytest.raises(RankwiseError, match="routed"):
+        m.merge(nn.Sequential())
+    with pytest.raises(RankwiseError, match="no Test adapter is merged"):
+        m.unmerge(nn.Sequential())

@@ -25,7 +25,7 @@ from torch import nn
 
 from rankwise.compress.allocation import allocate_ranks, block_influence, layer_energy
 from rankwise.compress.base import LayerMethod, PairedStats
-from rankwise.compress.calibration import input_dim_hooks, kinds_for, resolve_mask
+from rankwise.compress.calibration import input_dim_hooks, kinds_for, release_stats, resolve_mask
 from rankwise.compress.config import CompressConfig
 from rankwise.compress.fitting import Fitter
 from rankwise.compress.progress import Bar, Ledger, stats_bytes, tensor_bytes, track
@@ -266,7 +266,8 @@ class BlockRunner:
                     self.ledger.set("statistics", stats_bytes(stats))
                     for n, st in stats.items():
                         energy[n] = layer_energy(n, self.model.get_submodule(n), st)
-                    del stats
+                    release_stats(stats)
+                    del stats, col
                     self.ledger.set("statistics", 0)
                 hs = outs
                 self.track_activations([hs])
@@ -337,6 +338,7 @@ class BlockRunner:
                     calib_s += time.perf_counter() - t0
                     for n in names:
                         fitter.fit(n, stats[n])
+                    release_stats(stats)  # this block's float64 buffers go back now, not at the next block
                     del stats, col
                     self.ledger.set("statistics", 0)
                 else:
@@ -358,6 +360,10 @@ class BlockRunner:
                         p = self.prefix(l)
                         for r in g:
                             fitter.fit(p + r, stats[p + r], pstats.get(p + r) if pstats else None)
+                        release_stats(stats)
+                        for ps in (pstats or {}).values():
+                            ps.H = ps.Delta = None
+                        del stats, pstats
                         self.ledger.set("statistics", 0)
                 t1 = time.perf_counter()
                 with torch.no_grad():

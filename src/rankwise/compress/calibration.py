@@ -10,6 +10,7 @@ methods of the same feed).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
@@ -28,7 +29,7 @@ from rankwise.core.stats import KINDS, CalibrationError, LayerStats, StatsCollec
 
 Tensor = torch.Tensor
 
-__all__ = ["Calibration", "calibrate", "materialize_batches", "resolve_mask", "calibration_mode", "input_dim_hooks",
+__all__ = ["Calibration", "calibrate", "release_stats", "materialize_batches", "resolve_mask", "calibration_mode", "input_dim_hooks",
            "kinds_for", "collect_whole"]
 
 
@@ -99,6 +100,24 @@ def input_dim_hooks(model: nn.Module, names: Iterable[str]) -> list[Any]:
                                  "(do the calibration batches belong to this model?)")
         handles.append(mod.register_forward_pre_hook(pre))
     return handles
+
+
+def release_stats(stats: Mapping[str, LayerStats] | Iterable[LayerStats]) -> int:
+    """Drop the float64 buffers of ``stats`` (``xtx``, ``yty``, ...: set to None); returns the bytes dropped.
+
+    The block-sequential mode calls it once a block's layers are fitted, so that the buffers go back
+    to the allocator at once even if some object (a collector, a hook, a traceback) still refers to the
+    :class:`~rankwise.core.stats.LayerStats`; the objects keep their counts and names.
+    """
+    items = stats.values() if isinstance(stats, Mapping) else stats
+    freed = 0
+    for st in items:
+        for f in dataclasses.fields(st):
+            v = getattr(st, f.name)
+            if isinstance(v, Tensor):
+                freed += v.numel() * v.element_size()
+                setattr(st, f.name, None)
+    return freed
 
 
 def kinds_for(method: LayerMethod, cfg: CompressConfig) -> tuple[str, ...]:

@@ -40,7 +40,8 @@ def fix_mmap_threshold(threshold: int = 65536) -> bool:
     not returned to the OS. :func:`compress_checkpoint` frees one block's weights, statistics and work
     buffers after another, which is exactly that pattern: with the threshold fixed, the freed memory
     goes back to the OS block by block and the peak RSS stays at about one block's working set
-    (``benchmarks/bench_compress.py`` measures both). Equivalent to ``MALLOC_MMAP_THRESHOLD_=65536`` in
+    (``benchmarks/bench_compress.py`` measures both); :func:`compress_checkpoint` calls it unless
+    told not to (``fix_allocator=False``). Equivalent to ``MALLOC_MMAP_THRESHOLD_=65536`` in
     the environment. Affects the whole process and cannot be undone (glibc turns the dynamic
     adjustment off for good); a no-op returning False on a C library without ``mallopt``.
     """
@@ -74,6 +75,7 @@ def compress_checkpoint(
     model_class: type | None = None,
     overwrite: bool = False,
     progress: bool = False,
+    fix_allocator: bool = True,
 ) -> CompressionReport:
     """Compress a ``save_pretrained`` checkpoint block by block, without loading the whole model.
 
@@ -89,9 +91,17 @@ def compress_checkpoint(
     Gradient-based methods (FWSVD, GFWSVD) and methods with whole-model statistics cannot run this
     way (they need the whole model for a backward pass): load the model and use :func:`compress`.
 
-    On glibc, call :func:`fix_mmap_threshold` once before, so that what each block frees goes back to
-    the OS (otherwise the heap keeps some of it and the peak RSS is that of one and a half blocks).
+    ``fix_allocator`` (default True): on glibc, :func:`fix_mmap_threshold` is called first, so that
+    what each block frees (its weights, the float64 statistics, which are dropped as soon as its layers
+    are fitted, and the work buffers of the decomposition) goes back to the OS block by block; without
+    it glibc's heap keeps part of each freed block and the peak RSS is that of about one and a half
+    blocks. The setting is process-wide and stays (glibc cannot undo it); pass False to keep the
+    allocator as it is (e.g. when the process sets ``MALLOC_MMAP_THRESHOLD_`` itself).
     """
+    if not isinstance(fix_allocator, bool):
+        raise TypeError(f"fix_allocator must be a bool, got {type(fix_allocator).__name__}")
+    if fix_allocator:
+        fix_mmap_threshold()
     cfg = as_compress_config(config)
     method = cfg.build_method()
     feed = cfg.feed or method.feed

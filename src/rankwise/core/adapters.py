@@ -14,32 +14,46 @@ Each adapter method wraps the layers it adapts in a layer class of its own that 
   :func:`adapter_names`, :func:`all_or_nothing`, :func:`require_adapter`, :func:`target_layers`,
   :func:`sync_trainable`, :func:`set_active`, :func:`enable_adapters`, :func:`disable_adapters`,
   :func:`merge_all`, :func:`unmerge_all`, :func:`delete_adapter` and :func:`unload`; and
-  :func:`validate_adapter_name`. Each adapter module exposes thin wrappers of these under its own
-  public names.
+  :func:`validate_adapter_name`.
+* :class:`AdapterMethod`, one instance per family (``CDKA = AdapterMethod(CDKALinear, "rankwise.cdka")``):
+  the whole model-level API built on the above (``set_active``, ``enable``, ``disable``, ``merge``,
+  ``unmerge``, ``delete_adapter``, ``unload(merge=...)``, ``save_adapter``, ``load_adapter``) from two
+  per-layer hooks, :meth:`AdapterLayer.export_adapter` (tensors + JSON record out) and
+  :meth:`AdapterLayer.import_adapter` (install from them), plus what a training run needs from the
+  family. Each adapter package binds its public names to its instance's methods.
+* :func:`deprecated_fields` / :func:`deprecated_kwargs` (renamed names, one release); :func:`default_loss`.
 
-Merging is all-or-nothing across layers: if one layer cannot merge (non-finite result, ...), the layers
-merged before it are unmerged again before the error propagates. Within a layer the merged weight is
-``W0 + sum_k ΔW_k``, accumulated in float32 (float64 for a float64 weight) and rounded once to the
-weight's dtype; unmerging subtracts the same updates in reverse order (exact up to float rounding).
+Merging is all-or-nothing across layers (:func:`merge_all`); within a layer the updates are summed in
+float32 or wider and rounded once (:meth:`AdapterLayer._merge`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import re
-from typing import Any, Callable, ClassVar, Iterator, Sequence, TypeVar
+import warnings
+from dataclasses import dataclass, field as dc_field
+from pathlib import Path
+from typing import Any, Callable, ClassVar, Iterator, Mapping, Sequence, TypeVar
 
 import torch
 from torch import nn
 
 from rankwise.core import io
-from rankwise.core.errors import NumericalError, RankwiseError, SelectionError
+from rankwise.core.errors import ArtifactError, NumericalError, RankwiseError, SelectionError
 from rankwise.core.select import Selector, available_names, select
 from rankwise.core.surgery import replace_module, transaction
 
 __all__ = [
+    "CONFIG_FILE",
+    "WEIGHTS_FILE",
     "AdapterLayer",
+    "AdapterMethod",
+    "ArtifactContext",
+    "deprecated_fields",
+    "deprecated_kwargs",
     "adapted_layers",
     "adapter_names",
     "all_or_nothing",
@@ -241,6 +255,49 @@ class AdapterLayer(nn.Module):
     def unmerge(self) -> None:
         """Undo :meth:`merge` (nothing happens when nothing is merged)."""
         self._unmerge()
+
+    # -- artefact hooks (used by AdapterMethod.save_adapter / load_adapter) ----------------------
+    #: what a module must be to receive this family's adapter from an artefact (for messages)
+    base_kind: ClassVar[str] = "nn.Linear"
+
+    @classmethod
+    def wraps(cls, base: nn.Module) -> bool:
+        """Whether ``base`` (a model's module, wrapper removed) can carry this family's adapters."""
+        return isinstance(base, nn.Linear)
+
+    def export_adapter(self, name: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """Adapter ``name`` as artefact data: ``(tensors by local key, JSON-able per-layer record)``.
+
+        The artefact stores tensor ``key`` of layer ``m`` as ``"<m>.<key>"`` and the record under
+        ``modules[m]`` of its metadata; :meth:`import_adapter` is the inverse.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not define export_adapter")
+
+    @classmethod
+    def artifact_keys(cls, module: str, record: Mapping[str, Any], context: "ArtifactContext") -> dict[str, str]:
+        """``{local key: stored tensor name}`` that the record of ``module`` says the artefact holds.
+
+        Raises ``ValueError`` (reported as "bad metadata for module") when the record is malformed.
+        """
+        raise NotImplementedError(f"{cls.__name__} does not define artifact_keys")
+
+    @classmethod
+    def artifact_fit(cls, model: nn.Module, module: str, base: nn.Module, tensors: Mapping[str, torch.Tensor],
+                     record: Mapping[str, Any], context: "ArtifactContext") -> str | None:
+        """Why ``tensors``/``record`` cannot be installed on ``base`` (the module's base layer), or None.
+
+        Checked for every module before the model changes; the message follows ``"module 'm': ..."``.
+        """
+        return None
+
+    def import_adapter(self, name: str, tensors: Mapping[str, torch.Tensor], record: Mapping[str, Any],
+                       context: "ArtifactContext") -> None:
+        """Install adapter ``name`` from artefact data (inverse of :meth:`export_adapter`; tensors copied).
+
+        ``context`` carries the model, the module name and a ``shared`` dict for state that several
+        layers share (tied routers, shared factors). A misfit raises ``ValueError``.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not define import_adapter")
 
     # -- snapshot / restore (all-or-nothing model operations) ----------------------------------
     def _snapshot(self) -> dict[str, Any]:
@@ -492,3 +549,350 @@ def unload(model: nn.Module, cls: type[AdapterLayer], merge_first: bool = True) 
                 layer._unmerge()
         raise
     return model
+
+
+
+# ------------------------------------------------------------------------------------------------
+# deprecated names (one release)
+# ------------------------------------------------------------------------------------------------
+
+def _warn_renamed(owner: str, old: str, new: str, stacklevel: int = 4) -> None:
+    warnings.warn(f"{owner}: {old!r} is deprecated, use {new!r} (the old name goes away in the next release)",
+                  DeprecationWarning, stacklevel=stacklevel)
+
+
+def _rename(owner: str, kwargs: dict[str, Any], renamed: Mapping[str, str]) -> dict[str, Any]:
+    for old, new in renamed.items():
+        if old in kwargs:
+            if new in kwargs:
+                raise TypeError(f"{owner} got both {old!r} (deprecated) and {new!r}")
+            _warn_renamed(owner, old, new)
+            kwargs[new] = kwargs.pop(old)
+    return kwargs
+
+
+def deprecated_kwargs(**renamed: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorator: accept old keyword names ``old=new`` with a DeprecationWarning (both given: TypeError)."""
+    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def inner(*args: Any, **kwargs: Any) -> Any:
+            return fn(*args, **_rename(f"{fn.__name__}()", kwargs, renamed))
+        return inner
+    return wrap
+
+
+def deprecated_fields(**renamed: str) -> Callable[[type], type]:
+    """Class decorator for a (frozen) dataclass config: old field names ``old=new`` stay accepted by the
+    constructor and readable as attributes for one release, each with a DeprecationWarning."""
+    def wrap(cls: type) -> type:
+        init = cls.__init__
+
+        @functools.wraps(init)
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            init(self, *args, **_rename(cls.__name__, kwargs, renamed))
+
+        cls.__init__ = __init__  # type: ignore[misc]
+        for old, new in renamed.items():
+            def getter(self: Any, _old: str = old, _new: str = new) -> Any:
+                _warn_renamed(cls.__name__, _old, _new, stacklevel=3)
+                return getattr(self, _new)
+            setattr(cls, old, property(getter, doc=f"Deprecated alias of ``{new}``."))
+        cls.deprecated_fields = dict(getattr(cls, "deprecated_fields", {}), **renamed)  # type: ignore[attr-defined]
+        return cls
+    return wrap
+
+
+# ------------------------------------------------------------------------------------------------
+# artefact directories and one adapter family's model-level API
+# ------------------------------------------------------------------------------------------------
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+
+
+@dataclass
+class ArtifactContext:
+    """What a layer's artefact hooks may read while an adapter is loaded.
+
+    ``model``: the model being loaded into; ``source``: the file, for messages; ``meta``: the artefact's
+    metadata; ``data``: what :meth:`AdapterMethod.read_context` derived from it (a parsed config, a
+    plan, ...); ``shared``: scratch space shared by the layers of one load (tied or shared tensors).
+    """
+
+    model: nn.Module | None
+    source: str
+    meta: Mapping[str, Any]
+    data: dict[str, Any] = dc_field(default_factory=dict)
+    shared: dict[str, Any] = dc_field(default_factory=dict)
+
+
+class AdapterMethod:
+    """The model-level API of one adapter family, built from its layer class ``layer_cls``.
+
+    One instance per family (``CDKA = AdapterMethod(CDKALinear, "rankwise.cdka")``) provides
+    ``layers``, ``adapter_names``, ``require_adapter``, ``set_active``, ``enable``, ``disable``,
+    ``merge``, ``unmerge``, ``delete_adapter``, ``unload(merge=...)``, ``save_adapter`` and
+    ``load_adapter``; the family's module exposes them under its public names. Everything model-level
+    is all-or-nothing (see :func:`all_or_nothing`, :func:`merge_all`).
+
+    Artefact format (one directory, written atomically): ``adapter_model.safetensors`` with tensor
+    ``<module>.<key>`` for every tensor a layer's :meth:`AdapterLayer.export_adapter` gives, and header
+    metadata ``{"kind": kind, "name", "modules": {module: record}, "fingerprint", **extra}``; and
+    ``adapter_config.json`` ``{"method", "name", "modules", **extra}`` for people. ``extra`` comes from
+    :meth:`extra_metadata`. Loading checks, before the model changes: the kind, the module table and
+    records, that the tensors are exactly those the records name, the base-model fingerprint, that
+    nothing is merged, and that every module exists and fits (:meth:`AdapterLayer.artifact_fit`);
+    then it installs all layers inside one transaction (:meth:`AdapterLayer.import_adapter`), makes
+    the adapter the active one and freezes the rest.
+
+    What a training run needs from the family is declared here too (:meth:`calibration_batches`,
+    :meth:`training_hook`, ``default_lr``, ``factor_pairs``).
+    """
+
+    #: adapter learning rate a training run uses when none is given
+    default_lr: float = 1e-3
+    #: the adapters are plain LoRA factor pairs (optimizers acting on (A, B) pairs apply)
+    factor_pairs: bool = False
+
+    def __init__(self, layer_cls: type[AdapterLayer], kind: str, *, method: str | None = None,
+                 no_merge: str | None = None, default_lr: float | None = None) -> None:
+        self.layer_cls = layer_cls
+        self.kind = kind
+        self.method = method or kind.rsplit(".", 1)[-1]
+        self.label = layer_cls.family
+        self.no_merge = no_merge or f"{layer_cls.family} adapters cannot be merged into the base weights"
+        if default_lr is not None:
+            self.default_lr = default_lr
+
+    def __repr__(self) -> str:
+        return f"AdapterMethod({self.layer_cls.__name__}, {self.kind!r})"
+
+    # -- queries ------------------------------------------------------------------------------
+    def layers(self, model: nn.Module) -> list[tuple[str, Any]]:
+        """``(qualified name, layer)`` of every layer of this family in ``model``, in model order."""
+        return adapted_layers(model, self.layer_cls)
+
+    def adapter_names(self, model: nn.Module) -> list[str]:
+        """Names of the adapters in ``model``, in order of first appearance."""
+        return adapter_names(model, self.layer_cls)
+
+    def require_adapter(self, model: nn.Module, name: str) -> list[tuple[str, Any]]:
+        return require_adapter(model, name, self.layer_cls)
+
+    def all_or_nothing(self, model: nn.Module) -> contextlib.AbstractContextManager[None]:
+        return all_or_nothing(model, self.layer_cls)
+
+    def sync_trainable(self, model: nn.Module, freeze_base: bool) -> None:
+        sync_trainable(model, self.layer_cls, freeze_base)
+
+    def target_layers(self, model: nn.Module, target: Selector, **kwargs: Any) -> list[tuple[str, nn.Module]]:
+        return target_layers(model, target, self.layer_cls, **kwargs)
+
+    # -- switching ------------------------------------------------------------------------------
+    def set_active(self, model: nn.Module, names: str | Sequence[str]) -> None:
+        """Make ``names`` the active (trainable) adapter(s) of every layer; the others inactive (frozen)."""
+        set_active(model, names, self.layer_cls, sync=lambda m, freeze_base: self.sync_trainable(m, freeze_base))
+
+    def enable(self, model: nn.Module) -> None:
+        """Turn the adapters back on (after :meth:`disable`)."""
+        enable_adapters(model, self.layer_cls)
+
+    def disable(self, model: nn.Module) -> None:
+        """Make the model compute the base model's outputs (adapters kept). Refused while merged."""
+        disable_adapters(model, self.layer_cls)
+
+    def merge(self, model: nn.Module) -> nn.Module:
+        """Merge the active adapters into the base weights, all-or-nothing; returns the model."""
+        if not self.layer_cls.mergeable:
+            raise RankwiseError(self.no_merge)
+        merge_all(model, self.layer_cls)
+        return model
+
+    def unmerge(self, model: nn.Module) -> nn.Module:
+        """Subtract the merged adapters from the base weights (exact up to float rounding)."""
+        if not self.layer_cls.mergeable:
+            raise RankwiseError(f"no {self.label} adapter is merged ({self.label} adapters cannot be merged)")
+        unmerge_all(model, self.layer_cls)
+        return model
+
+    def prune(self, model: nn.Module) -> None:
+        """Give layers left without adapters their base layer back (run inside a transaction)."""
+        for lname, layer in self.layers(model):
+            if not layer.adapters:
+                replace_module(model, lname, layer.base_layer)
+
+    def delete_adapter(self, model: nn.Module, name: str) -> None:
+        """Remove adapter ``name`` everywhere (layers left without adapters get their base layer back)."""
+        delete_adapter(model, name, self.layer_cls, unwrap_empty=False, after=self.prune)
+
+    @deprecated_kwargs(merge_first="merge")
+    def unload(self, model: nn.Module, merge: bool = True) -> nn.Module:
+        """Replace every layer of this family by its base layer; with ``merge`` (mergeable families only)
+        the active adapters are merged first (``merge_first``: deprecated name)."""
+        return unload(model, self.layer_cls, bool(merge) and self.layer_cls.mergeable)
+
+    def start_adapt(self, model: nn.Module, config: Any, config_cls: type, name: str | None = "default") -> Any:
+        """What every ``adapt`` checks first: ``config`` (None: ``config_cls()``) and ``model`` types, the
+        adapter ``name``, and that nothing is merged. Returns the config."""
+        config = config_cls() if config is None else config
+        if not isinstance(config, config_cls):
+            raise TypeError(f"adapt: config must be a {config_cls.__name__}, got {type(config).__name__}")
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"adapt: model must be an nn.Module, got {type(model).__name__}")
+        if name is not None:
+            validate_adapter_name(name)
+        merged = [n for n, layer in self.layers(model) if layer.merged_adapters]
+        if merged:
+            raise RankwiseError(f"adapters are merged in {_shown(merged)}; unmerge before adding an adapter")
+        return config
+
+    # -- training-run declarations ----------------------------------------------------------------
+    def calibration_batches(self, config: Any) -> int:
+        """How many calibration batches ``adapt(model, config, calib=...)`` reads (0: none)."""
+        return 0
+
+    def training_hook(self, model: nn.Module, config: Any, calib: Sequence[Any] | None,
+                      total_steps: int) -> Callable[[Any, int], None] | None:
+        """A callback ``f(trainer, steps_done)`` run after every optimizer step, or None."""
+        return None
+
+    # -- save ---------------------------------------------------------------------------------------
+    def extra_metadata(self, model: nn.Module, name: str, layers: Sequence[tuple[str, Any]]) -> dict[str, Any]:
+        """Model-level entries added to the metadata and the config file (a plan, a config, ...)."""
+        return {}
+
+    def export(self, model: nn.Module, name: str, layers: Sequence[tuple[str, Any]]
+               ) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, Any]]]:
+        """``(tensors by stored name, {module: record})`` of adapter ``name``."""
+        tensors: dict[str, torch.Tensor] = {}
+        modules: dict[str, dict[str, Any]] = {}
+        for lname, layer in layers:
+            local, record = layer.export_adapter(name)
+            tensors.update({f"{lname}.{k}": t for k, t in local.items()})
+            modules[lname] = record
+        return tensors, modules
+
+    def save_adapter(self, model: nn.Module, directory: str | Path, name: str = "default", *,
+                     overwrite: bool | None = None) -> Path:
+        """Save adapter ``name`` to ``directory`` atomically (see the class docstring for the format)."""
+        layers = self.require_adapter(model, name)
+        tensors, modules = self.export(model, name, layers)
+        extra = self.extra_metadata(model, name, layers)
+        meta = {"kind": self.kind, "name": name, "modules": modules, "fingerprint": io.model_fingerprint(model),
+                **extra}
+
+        def files(tmp: Path) -> None:
+            io.write_json(tmp / CONFIG_FILE, {"method": self.method, "name": name, "modules": modules, **extra})
+            io.save_tensors(tmp / WEIGHTS_FILE, tensors, meta)
+        return io.write_dir(directory, files, overwrite=overwrite, own_files=(CONFIG_FILE, WEIGHTS_FILE))
+
+    # -- load ---------------------------------------------------------------------------------------
+    def read_context(self, meta: Mapping[str, Any], path: Path) -> dict[str, Any]:
+        """Model-level data parsed from the metadata (ArtifactError naming ``path`` if malformed)."""
+        return {}
+
+    def split(self, tensors: Mapping[str, torch.Tensor], modules: Mapping[str, Any], context: ArtifactContext,
+              path: Path) -> dict[str, dict[str, torch.Tensor]]:
+        """Check every record and that the file holds exactly the tensors they name; per module
+        ``{local key: tensor}``."""
+        keys: dict[str, dict[str, str]] = {}
+        for m, record in modules.items():
+            try:
+                if not isinstance(record, dict):
+                    raise ValueError("not an object")
+                keys[m] = self.layer_cls.artifact_keys(m, record, context)
+            except (ValueError, TypeError, KeyError) as e:
+                raise ArtifactError(f"{path}: bad metadata for module {m!r}") from e
+        expected = {k for ks in keys.values() for k in ks.values()}
+        if set(tensors) != expected:
+            raise ArtifactError(f"{path}: tensors do not match the module table (missing "
+                                f"{sorted(expected - set(tensors))[:4]}, unexpected {sorted(set(tensors) - expected)[:4]})")
+        return {m: {local: tensors[stored] for local, stored in ks.items()} for m, ks in keys.items()}
+
+    def check_fits(self, model: nn.Module, per_module: Mapping[str, Mapping[str, torch.Tensor]],
+                   modules: Mapping[str, Any], context: ArtifactContext, source: str) -> None:
+        """Every module exists, can carry this family's adapter and fits its tensors; else ArtifactError."""
+        problems: list[str] = []
+        for m, tensors in per_module.items():
+            try:
+                mod = model.get_submodule(m)
+            except AttributeError:
+                problems.append(f"module {m!r} does not exist in the model")
+                continue
+            base = mod.base_layer if isinstance(mod, self.layer_cls) else mod
+            if not self.layer_cls.wraps(base):
+                problems.append(f"module {m!r} is a {type(mod).__name__}, not {self.layer_cls.base_kind}")
+                continue
+            problem = self.layer_cls.artifact_fit(model, m, base, tensors, modules[m], context)
+            if problem:
+                problems.append(problem)
+        if problems:
+            shown = "; ".join(problems[:5]) + (f"; ... ({len(problems)} problems)" if len(problems) > 5 else "")
+            raise ArtifactError(f"{source} does not fit this model: {shown}")
+
+    def wrap(self, model: nn.Module, module: str) -> Any:
+        """The family's wrapper at ``module`` (created and swapped in if the module is still plain)."""
+        mod = model.get_submodule(module)
+        if isinstance(mod, self.layer_cls):
+            return mod
+        layer = self.layer_cls(mod, layer_name=module)
+        replace_module(model, module, layer)
+        return layer
+
+    def load_adapter(self, model: nn.Module, directory: str | Path, name: str = "default", *,
+                     check_base: bool = True) -> nn.Module:
+        """Load an adapter written by :meth:`save_adapter` into ``model`` as adapter ``name`` (active, trainable).
+
+        Replaces an adapter of that name. ArtifactError (model unchanged) for a missing, corrupt or
+        truncated file, another artefact kind, another base model (fingerprint; skip with
+        ``check_base=False``), or modules that do not fit. Tensors load bit-exactly.
+        """
+        validate_adapter_name(name)
+        directory = Path(directory)
+        if not directory.is_dir():
+            raise ArtifactError(f"{directory}: no such adapter directory")
+        path = directory / WEIGHTS_FILE
+        tensors, meta = io.load_tensors(path)
+        if meta.get("kind") != self.kind:
+            raise ArtifactError(f"{path}: not a rankwise {self.label} adapter (kind={meta.get('kind')!r})")
+        modules = meta.get("modules")
+        if not isinstance(modules, dict) or not modules:
+            raise ArtifactError(f"{path}: metadata lacks the module table")
+        context = ArtifactContext(model, str(path), meta)
+        context.data = self.read_context(meta, path)
+        per_module = self.split(tensors, modules, context, path)
+        if check_base:
+            io.check_fingerprint(meta.get("fingerprint"), model, source=str(path))
+        if self.layer_cls.mergeable and any(layer.merged_adapters for _, layer in self.layers(model)):
+            raise RankwiseError(f"unmerge the {self.label} adapters before loading one")
+        self.check_fits(model, per_module, modules, context, str(path))
+        with self.all_or_nothing(model):
+            for _, layer in self.layers(model):
+                if name in layer.adapters:
+                    layer._drop_adapter(name)
+            for m, local in per_module.items():
+                layer = self.wrap(model, m)
+                try:
+                    layer.import_adapter(name, local, modules[m], context)
+                except ValueError as e:
+                    raise ArtifactError(f"{path}: {e}") from e
+            for _, layer in self.layers(model):
+                layer.active_adapters = [name] if name in layer.adapters else []
+            self.prune(model)
+            self.sync_trainable(model, freeze_base=True)
+        return model
+
+
+def default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    """``model(**batch).loss`` for a dict batch, ``model(*batch).loss`` for a tuple, ``model(batch).loss``
+    otherwise: the calibration loss of methods that read gradients (pass ``loss_fn`` for anything else)."""
+    if isinstance(batch, Mapping):
+        out = model(**batch)
+    elif isinstance(batch, (tuple, list)):
+        out = model(*batch)
+    else:
+        out = model(batch)
+    loss = out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", None)
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError("the model's output has no .loss; pass loss_fn=lambda model, batch: <scalar loss>")
+    return loss

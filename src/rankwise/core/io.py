@@ -28,7 +28,7 @@ The safetensors header metadata (a ``str -> str`` map) holds two keys:
 
 The metadata lives in the header rather than in a sidecar JSON so that one file is a complete,
 self-describing artefact that cannot drift from its tensors. Directory artefacts (adapters) may add
-human-readable JSON files next to it (see :mod:`rankwise.adapt.lora`).
+human-readable JSON files next to it (see :mod:`rankwise.core.peft_format`).
 
 Base-model fingerprint
 ----------------------
@@ -84,6 +84,7 @@ __all__ = [
     "save_tensors",
     "tensor_digest",
     "value_sample",
+    "write_dir",
     "write_json",
 ]
 
@@ -273,6 +274,20 @@ def atomic_dir(path: PathLike, *, overwrite: bool = False) -> Iterator[Path]:
             raise ArtifactError(f"cannot write {path}: {e.strerror or e}") from e
         raise
     _fsync_path(parent, directory=True)
+
+
+def write_dir(path: PathLike, fill: Callable[[Path], None], *, overwrite: bool | None,
+              own_files: Sequence[str] = ()) -> Path:
+    """Write an artefact directory atomically: ``fill(tmp)`` writes the files into :func:`atomic_dir`'s
+    temporary sibling. ``overwrite``: None replaces an existing directory only if it holds nothing but
+    ``own_files`` (what a previous save of this artefact left); True replaces any; False refuses a
+    non-empty one."""
+    path = Path(path)
+    if overwrite is None:
+        overwrite = path.is_dir() and all(p.is_file() and p.name in own_files for p in path.iterdir())
+    with atomic_dir(path, overwrite=bool(overwrite)) as tmp:
+        fill(tmp)
+    return path
 
 
 # ------------------------------------------------------------------------------------------------

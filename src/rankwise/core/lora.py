@@ -47,6 +47,7 @@ __all__ = [
     "LoraLinear",
     "add_lora",
     "adapter_names",
+    "base_module_names",
     "delete_adapter",
     "disable_adapters",
     "enable_adapters",
@@ -255,6 +256,44 @@ def adapter_names(model: nn.Module) -> list[str]:
     return adapters.adapter_names(model, LoraLinear)
 
 
+def set_active(model: nn.Module, names: str | Sequence[str]) -> None:
+    """Make ``names`` the active adapter(s) of every LoRA layer (trainable); others inactive (frozen).
+
+    A layer that lacks some of the names activates those it has.
+    """
+    adapters.set_active(model, names, LoraLinear)
+
+
+def enable_adapters(model: nn.Module) -> None:
+    """Turn the active adapters back on (after :func:`disable_adapters`)."""
+    adapters.enable_adapters(model, LoraLinear)
+
+
+def disable_adapters(model: nn.Module) -> None:
+    """Make the model compute the base model's outputs (adapters kept). Refused while merged."""
+    adapters.disable_adapters(model, LoraLinear)
+
+
+def delete_adapter(model: nn.Module, name: str) -> None:
+    """Remove adapter ``name`` from every layer (a layer left without adapters gets its plain Linear back)."""
+    adapters.delete_adapter(model, name, LoraLinear)
+
+
+@adapters.deprecated_kwargs(merge_first="merge")
+def unload(model: nn.Module, merge: bool = True) -> nn.Module:
+    """Replace every LoraLinear by its base Linear, merging the active adapters first if ``merge``.
+
+    The result is a plain model (no LoRA modules), e.g. to save with ``save_pretrained``.
+    """
+    return adapters.unload(model, LoraLinear, merge)
+
+
+def base_module_names(model: nn.Module) -> list[str]:
+    """Module names as PEFT sees the base model (LoRA wrappers replaced by their base layers)."""
+    wrappers = [n for n, _ in lora_layers(model)]
+    return [n for n, _ in model.named_modules() if n and not any(n.startswith(w + ".") for w in wrappers)]
+
+
 def _all_or_nothing(model: nn.Module) -> contextlib.AbstractContextManager[None]:
     """Undo module replacements, requires_grad changes and LoraLinear state changes on error."""
     return adapters.all_or_nothing(model, LoraLinear)
@@ -356,24 +395,6 @@ def add_lora(
     return [n for n, *_ in plan]
 
 
-def set_active(model: nn.Module, names: str | Sequence[str]) -> None:
-    """Make ``names`` the active adapter(s) of every LoRA layer (trainable); others inactive (frozen).
-
-    A layer that lacks some of the names activates those it has.
-    """
-    adapters.set_active(model, names, LoraLinear)
-
-
-def enable_adapters(model: nn.Module) -> None:
-    """Turn the active adapters back on (after :func:`disable_adapters`)."""
-    adapters.enable_adapters(model, LoraLinear)
-
-
-def disable_adapters(model: nn.Module) -> None:
-    """Make the model compute the base model's outputs (adapters kept). Refused while merged."""
-    adapters.disable_adapters(model, LoraLinear)
-
-
 def merge_adapters(model: nn.Module) -> list[str]:
     """Merge the active adapters of every LoRA layer into its base weight; returns the layer names.
 
@@ -385,19 +406,6 @@ def merge_adapters(model: nn.Module) -> list[str]:
 def unmerge_adapters(model: nn.Module) -> list[str]:
     """Undo :func:`merge_adapters` on every merged layer; returns the layer names."""
     return adapters.unmerge_all(model, LoraLinear)
-
-
-def delete_adapter(model: nn.Module, name: str) -> None:
-    """Remove adapter ``name`` from every layer (a layer left without adapters gets its plain Linear back)."""
-    adapters.delete_adapter(model, name, LoraLinear)
-
-
-def unload(model: nn.Module, merge: bool = True) -> nn.Module:
-    """Replace every LoraLinear by its base Linear, merging the active adapters first if ``merge``.
-
-    The result is a plain model (no LoRA modules), e.g. to save with ``save_pretrained``.
-    """
-    return adapters.unload(model, LoraLinear, merge)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -17,6 +17,10 @@ minimises ``||X W^T - X W_k^T||_F^2`` over rank-``k`` matrices and the minimum i
    memory ``O(m^2)``, no activation is stored (:mod:`rankwise.core.stats`, kind ``"output_cov"``);
 2. one ``eigh(C)``, eigenpairs sorted descending, negative eigenvalues clamped to 0
    (``sigma_i = sqrt(lambda_i)`` are the singular values of ``Y``);
+   for a layer wider at the output (``m > n``) the exact reduction to the ``n x n`` problem
+   ``Q^T C Q`` (``W = Q R``) of :func:`swift_svd_spectrum` gives the same eigenpairs at
+   ``O(m^2 n)`` instead of ``O(m^3)``; in float32 the extra error is bounded by
+   :func:`float32_excess_bound`;
 3. choose ``k`` (uniform budget, or the dynamic allocation below);
 4. ``B = V_k^T W`` (``k x n``), ``A = V_k`` (``m x k``): ``Linear(n -> k, B, no bias)`` then
    ``Linear(k -> m, A, bias b)``.
@@ -39,6 +43,7 @@ not implemented.
 
 from __future__ import annotations
 
+import math
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Literal
@@ -69,7 +74,7 @@ Tensor = torch.Tensor
 
 __all__ = [
     "SwiftSVDConfig", "SwiftSVD", "swift_svd_compress", "output_covariance", "swift_svd_spectrum",
-    "swift_svd_factors", "swift_svd_error", "block_influence", "normalize_influence", "allocation_scores",
+    "swift_svd_factors", "swift_svd_error", "float32_excess_bound", "FLOAT32_UNIT_ROUNDOFF", "block_influence", "normalize_influence", "allocation_scores",
     "dynamic_ranks", "INFLUENCE_EPS", "LOG_FLOOR",
 ]
 
@@ -88,16 +93,78 @@ def output_covariance(W: Tensor, X: Tensor, *, dtype: torch.dtype = torch.float6
     return Y.mT @ Y
 
 
-def swift_svd_spectrum(C: Tensor, *, dtype: torch.dtype | None = torch.float64,
+#: Float32 unit roundoff ``u = 2^-24``, the constant of :func:`float32_excess_bound`.
+FLOAT32_UNIT_ROUNDOFF = 2.0 ** -24
+
+
+def _reduction_tol(dtype: torch.dtype) -> float:
+    # the output energy outside span(W) that the reduction may drop before it falls back to the full eigh:
+    # sqrt(eps) of the compute dtype (1.5e-8 in float64, 3.5e-4 in float32), far above rounding
+    return float(torch.finfo(dtype).eps) ** 0.5
+
+
+def swift_svd_spectrum(C: Tensor, *, weight: Tensor | None = None, dtype: torch.dtype | None = torch.float64,
                        name: str | None = None) -> tuple[Tensor, Tensor]:
-    """Step 2: ``eigh(C)`` sorted descending, negative eigenvalues clamped to 0; returns ``(lambda (m,), V (m, m))``.
+    """Step 2: ``eigh(C)`` sorted descending, negative eigenvalues clamped to 0; returns ``(lambda (m,), V (m, p))``.
+
+    Without ``weight``, ``p = m`` (the full eigendecomposition). With the layer's ``weight`` ``W``
+    (``m x n``) and ``m > n`` (a layer wider at the output than at the input: BERT's 1536 x 384
+    ``intermediate.dense``, Llama's 11008 x 4096 ``up_proj``/``gate_proj``), the *exact reduction*:
+    ``C = W H W^T`` has rank at most ``n`` and its range lies in ``span(W)``, so with the thin QR
+    ``W = Q R`` (``Q`` ``m x n`` orthonormal), ``C = Q (Q^T C Q) Q^T`` and the eigenpairs of ``C`` are
+    ``(lambda_i, Q u_i)`` for the eigenpairs ``(lambda_i, u_i)`` of the ``n x n`` matrix ``Q^T C Q``;
+    the other ``m - n`` eigenvalues are 0. Then ``p = n`` and ``lambda[n:] = 0``. Cost
+    ``O(m^2 n + m n^2 + n^3)`` instead of ``O(m^3)``. The identity needs ``C`` to be the output
+    covariance of this very ``W`` (as the pipeline collects it); if more than ``sqrt(eps)`` of
+    ``trace(C)`` lies outside ``span(W)`` (statistics of another weight), the full ``eigh`` runs instead.
 
     Raises :class:`~rankwise.core.errors.NumericalError` naming the layer if ``C`` has NaN/Inf.
     """
     if not isinstance(C, torch.Tensor) or C.ndim != 2 or C.shape[0] != C.shape[1]:
         raise ValueError(f"output covariance{_where(name)} must be a square matrix, got {getattr(C, 'shape', type(C))}")
     check_finite(C, "accumulated output covariance C", name)
+    m = C.shape[0]
+    if weight is not None:
+        if weight.ndim != 2 or weight.shape[0] != m:
+            raise ValueError(f"weight{_where(name)} must have {m} rows to match its output covariance, "
+                             f"got {tuple(weight.shape)}")
+        if weight.shape[1] < m:
+            reduced = _reduced_spectrum(C, weight, dtype or C.dtype, name)
+            if reduced is not None:
+                return reduced
     return eigh_desc(C, floor=0.0, dtype=dtype, name=name)
+
+
+def _reduced_spectrum(C: Tensor, W: Tensor, dtype: torch.dtype, name: str | None) -> tuple[Tensor, Tensor] | None:
+    """The exact reduction of :func:`swift_svd_spectrum` (``m > n``); None if ``C`` is not in ``span(W)``."""
+    m, n = W.shape
+    Cd = C.to(dtype)
+    Q = torch.linalg.qr(check_finite(W.detach().to(Cd.device, dtype), "weight", name), mode="reduced").Q
+    M = Q.mT @ (Cd @ Q)
+    total = float(torch.diagonal(Cd).sum())
+    if total > 0 and abs(total - float(torch.diagonal(M).sum())) > _reduction_tol(dtype) * total:
+        return None
+    lam_n, U = eigh_desc(M, floor=0.0, dtype=dtype, name=name)
+    lam = torch.cat([lam_n, torch.zeros(m - n, dtype=lam_n.dtype, device=lam_n.device)])
+    return lam, Q @ U
+
+
+def float32_excess_bound(lam: Tensor, rank: int, size: int) -> float:
+    """Bound on the extra error of the float32 factors over the float64 optimum, ``4 k p u lambda_1``.
+
+    ``lam``: the spectrum of ``C`` (descending); ``rank``: ``k``; ``size``: ``p``, the order of the
+    eigenproblem actually solved (``min(m, n)`` with the reduction of :func:`swift_svd_spectrum`, ``m``
+    without); ``u = 2^-24``. Derivation: the float32 path computes the exact top-``k`` eigenvectors
+    ``P'`` of a perturbed ``C + Delta`` (rounding ``C``, ``W`` and ``Q`` to float32, backward-stable
+    ``eigh``: ``||Delta||_2 <= c p u lambda_1``); since ``P'`` is optimal for ``C + Delta``,
+    ``tr(P C) - tr(P' C) <= 2 k ||Delta||_2``, and the loss of orthogonality of the float32 ``V_k`` adds a
+    term of the same order; ``c = 2`` covers both (the tests check it on random wide and tall layers).
+    The error is the absolute ``||X W^T - X B^T A^T||_F^2`` of :func:`swift_svd_error`. Float32 is accurate
+    enough when this bound is small against the optimum ``sum_{i>k} lambda_i`` (``SwiftSVD.info()``
+    reports the ratio as ``float32_excess_bound_rel``).
+    """
+    lam = lam.to(torch.float64)
+    return 4.0 * rank * size * FLOAT32_UNIT_ROUNDOFF * float(lam[0].clamp_min(0)) if lam.numel() else 0.0
 
 
 def swift_svd_factors(
@@ -128,7 +195,7 @@ def swift_svd_factors(
         if tuple(C.shape) != (m, m):
             raise ValueError(f"output covariance{_where(name)} must be ({m}, {m}) for a weight of shape {(m, n)}, "
                              f"got {tuple(C.shape)}")
-        spectrum = swift_svd_spectrum(C, dtype=dtype, name=name)
+        spectrum = swift_svd_spectrum(C, weight=W64, dtype=dtype, name=name)
     lam, V = spectrum
     Vk = V[:, :rank].to(W64.device, dtype)
     if float(lam.sum()) <= 0.0:
@@ -196,9 +263,11 @@ class SwiftSVD(LayerMethod):
     """Swift-SVD as a per-layer method of the pipeline (``compress(..., method="swift-svd")``).
 
     Reads the streamed output covariance (stats kind ``"output_cov"``, bias excluded). Options:
-    ``compute_dtype`` (float64 default; float32 for speed on large layers). :meth:`info` reports the
-    predicted relative error ``sum_{i>k} lambda_i / sum_i lambda_i``, the normalised effective rank
-    of ``Y`` (NER) and the output energy ``||Y||_F^2``.
+    ``compute_dtype`` (float64 default; float32 for speed on large layers, with the error bound of
+    :func:`float32_excess_bound`). Layers wider at the output than at the input use the exact reduction
+    of :func:`swift_svd_spectrum`. :meth:`info` reports the predicted relative error
+    ``sum_{i>k} lambda_i / sum_i lambda_i``, the normalised effective rank of ``Y`` (NER), the output
+    energy ``||Y||_F^2`` and, in float32, ``float32_excess_bound_rel`` (the bound over the optimum).
     """
 
     name = "swift-svd"
@@ -227,7 +296,7 @@ class SwiftSVD(LayerMethod):
             if tuple(C.shape) != (m, m):
                 raise ValueError(f"layer {name!r}: output covariance of shape {tuple(C.shape)} does not fit a "
                                  f"{m} x {n} weight")
-            spec = swift_svd_spectrum(C, dtype=self.compute_dtype, name=name)
+            spec = swift_svd_spectrum(C, weight=layer.weight, dtype=self.compute_dtype, name=name)
             if self.cache is not None:
                 self.cache[key] = spec
         with warnings.catch_warnings():
@@ -240,6 +309,10 @@ class SwiftSVD(LayerMethod):
             "ner": normalized_effective_rank(lam.clamp_min(0).sqrt()) if total > 0 else 0.0,
             "energy": total,
         }
+        if self.compute_dtype == torch.float32:
+            tail = float(lam[rank:].sum())
+            bound = float32_excess_bound(lam, rank, spec[1].shape[1])
+            self._info["float32_excess_bound_rel"] = bound / tail if tail > 0 else (0.0 if bound == 0 else math.inf)
         return f
 
     def info(self) -> dict[str, Any]:

@@ -1,22 +1,7 @@
-"""LoRA, the reference low-rank adapter (Hu et al., 2021), with PEFT interop both ways.
+"""The PEFT LoRA directory format, read and written as an :class:`~rankwise.core.lora.AdapterState`.
 
-    h = W0 x + s * B A x,   A: (r, in) ~ kaiming-uniform (or Gaussian),  B: (out, r) = 0,
-    s = alpha / r  (alpha / sqrt(r) with rsLoRA)                                  (Hu et al. Eq. 3)
+A LoRA adapter directory (what ``rankwise.adapt.lora.save_adapter`` and PEFT's ``save_pretrained`` write):
 
-Usage::
-
-    from rankwise.adapt.lora import LoraConfig, adapt, merge, save_adapter, export_peft
-    model = adapt(model, LoraConfig(rank=8, alpha=16, target=("query", "value")))
-    ...train...
-    save_adapter(model, "my_adapter")            # rankwise directory == PEFT directory + fingerprint
-    export_peft(model, "for_peft", base_model_name_or_path="sentence-transformers/all-MiniLM-L6-v2")
-
-The layer and the adapter state live in :mod:`rankwise.core.lora` (shared with merging, federated
-training and the LoRA optimizers); this module is the method: config, entry point, save/load and
-the PEFT bridge.
-
-Directory format (``save_adapter`` and ``export_peft`` write the same thing)
----------------------------------------------------------------------------
 ``adapter_config.json``
     a PEFT ``LoraConfig`` (``peft_type: "LORA"``, ``r``, ``lora_alpha``, ``target_modules``,
     ``rank_pattern``/``alpha_pattern`` for modules whose rank/alpha differ from the most common
@@ -27,11 +12,13 @@ Directory format (``save_adapter`` and ``export_peft`` write the same thing)
     config, exact per-module scaling, base-model fingerprint, per-tensor SHA-256, see
     :mod:`rankwise.core.io`), which PEFT ignores.
 
-So ``peft.PeftModel.from_pretrained(base, directory)`` loads what rankwise saves, and
-:func:`load_adapter` / :func:`load_peft` load what PEFT saves (standard LoRA on ``nn.Linear`` only;
-DoRA, bias training, ``modules_to_save``, embedding/conv targets, base-modifying initialisations
-such as PiSSA/OLoRA/LoftQ/CorDA/LoRA-GA and the other PEFT variants are rejected with a clear error).
-A directory written by PEFT carries no fingerprint, so only shapes are checked when it is loaded.
+:func:`write_adapter_dir` writes a state in this layout (so ``peft.PeftModel.from_pretrained(base, dir)``
+loads it) and :func:`import_peft` reads one, from rankwise or from PEFT (standard LoRA on ``nn.Linear``
+only: DoRA, bias training, ``modules_to_save``, embedding/conv targets, base-modifying initialisations
+and the other PEFT variants are rejected with a clear error). :data:`LORA` is the LoRA family's
+:class:`~rankwise.core.adapters.AdapterMethod`, whose artefact is this directory. This lives in ``core``
+because merging methods and federated training exchange LoRA directories too; ``rankwise.adapt.lora``
+re-exports all of it.
 """
 
 from __future__ import annotations
@@ -39,7 +26,6 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -47,139 +33,27 @@ import torch
 from torch import nn
 
 from rankwise.core import io
+from rankwise.core.adapters import AdapterMethod
 from rankwise.core.errors import ArtifactError, RankwiseError
 from rankwise.core.lora import (
-    INITS,
     AdapterState,
     LoraLinear,
-    add_lora,
-    adapter_names,
+    base_module_names,
     check_state_fits,
-    delete_adapter,
-    disable_adapters,
-    enable_adapters,
     get_state,
-    lora_layers,
     lora_scaling,
-    merge_adapters,
-    set_active,
     set_state,
-    unload,
-    unmerge_adapters,
 )
-from rankwise.core.registry import register
-from rankwise.core.select import Selector
 
-__all__ = [
-    "AdapterState",
-    "LoraConfig",
-    "LoraLinear",
-    "adapt",
-    "adapter_names",
-    "delete_adapter",
-    "disable_adapters",
-    "enable_adapters",
-    "export_peft",
-    "get_state",
-    "import_peft",
-    "load_adapter",
-    "load_peft",
-    "lora_layers",
-    "merge",
-    "save_adapter",
-    "set_active",
-    "set_state",
-    "unload",
-    "unmerge",
-]
+__all__ = ["CONFIG_FILE", "LORA", "WEIGHTS_FILE", "LoRAMethod", "import_peft", "peft_config_dict",
+           "write_adapter_dir"]
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 _PEFT_PREFIX = "base_model.model."
 _KIND = "rankwise.lora"
 # Files a previous save may have left; a directory holding only these is replaced without asking.
-_OWN_FILES = {CONFIG_FILE, WEIGHTS_FILE, "README.md"}
-
-
-@dataclass(frozen=True)
-class LoraConfig:
-    """LoRA hyper-parameters (defaults: the reference/PEFT ones for BERT-style models).
-
-    Attributes:
-        rank: r >= 1, the inner dimension of B A (Hu et al. Sec. 4.1).
-        alpha: the scaling numerator; s = alpha / r (or alpha / sqrt(r) with ``use_rslora``).
-        dropout: dropout on the adapter's input, in [0, 1).
-        use_rslora: rank-stabilised scaling alpha / sqrt(r) (Kalajdzievski, 2023).
-        target: module-name patterns (see :func:`rankwise.core.select.select`); a bare name
-            matches the last component, as PEFT's ``target_modules`` does.
-        init: "kaiming" (A ~ kaiming-uniform(a=sqrt 5), PEFT's default) or "gaussian" (A ~ N(0, 1/r^2));
-            B = 0 either way, so the adapted model starts equal to the base model.
-        seed: seeds the initialisation (``None``: the global torch RNG).
-    """
-
-    rank: int = 8
-    alpha: float = 16.0
-    dropout: float = 0.0
-    use_rslora: bool = False
-    target: tuple[str, ...] = ("query", "value")
-    init: str = "kaiming"
-    seed: int | None = 0
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 1:
-            raise ValueError(f"LoraConfig.rank must be an int >= 1, got {self.rank!r}")
-        if (not isinstance(self.alpha, (int, float)) or isinstance(self.alpha, bool)
-                or not math.isfinite(float(self.alpha)) or float(self.alpha) <= 0):
-            raise ValueError(f"LoraConfig.alpha must be a finite number > 0, got {self.alpha!r}")
-        if (not isinstance(self.dropout, (int, float)) or isinstance(self.dropout, bool)
-                or not 0.0 <= float(self.dropout) < 1.0):
-            raise ValueError(f"LoraConfig.dropout must be in [0, 1), got {self.dropout!r}")
-        if not isinstance(self.use_rslora, bool):
-            raise ValueError(f"LoraConfig.use_rslora must be a bool, got {self.use_rslora!r}")
-        target = (self.target,) if isinstance(self.target, str) else self.target
-        if (not isinstance(target, (tuple, list)) or not target
-                or not all(isinstance(t, str) and t for t in target)):
-            raise ValueError("LoraConfig.target must be a non-empty tuple of module-name patterns, "
-                             f"got {self.target!r} (pass types or callables to adapt(target=...))")
-        object.__setattr__(self, "target", tuple(target))
-        if self.init not in INITS:
-            raise ValueError(f"LoraConfig.init must be one of {INITS}, got {self.init!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise ValueError(f"LoraConfig.seed must be an int or None, got {self.seed!r}")
-        object.__setattr__(self, "alpha", float(self.alpha))
-        object.__setattr__(self, "dropout", float(self.dropout))
-
-
-def adapt(model: nn.Module, config: LoraConfig | None = None, target: Selector = None,
-          name: str = "default") -> nn.Module:
-    """Add LoRA adapter ``name`` to ``model`` in place and return it.
-
-    ``target`` (a type, name pattern(s) or predicate) overrides ``config.target``. The new adapter
-    becomes the active (and only trainable) one; every non-LoRA parameter is frozen. Ranks above
-    ``min(in_features, out_features)`` of a layer raise ``ValueError`` naming the layer; a selector
-    that matches no Linear layer raises ``SelectionError``. On any error the model is unchanged.
-    """
-    config = LoraConfig() if config is None else config
-    if not isinstance(config, LoraConfig):
-        raise TypeError(f"adapt: config must be a LoraConfig, got {type(config).__name__}")
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"adapt: model must be an nn.Module, got {type(model).__name__}")
-    gen = torch.Generator().manual_seed(config.seed) if config.seed is not None else None
-    add_lora(model, config.target if target is None else target, name, rank=config.rank, alpha=config.alpha,
-             use_rslora=config.use_rslora, dropout=config.dropout, init=config.init, generator=gen)
-    return model
-
-
-def merge(model: nn.Module) -> nn.Module:
-    """Merge the active adapters into the base weights (``W0 += s B A``); refuses to merge twice."""
-    merge_adapters(model)
-    return model
-
-
-def unmerge(model: nn.Module) -> nn.Module:
-    """Subtract merged adapters from the base weights (exact up to float rounding)."""
-    unmerge_adapters(model)
-    return model
+_OWN_FILES = (CONFIG_FILE, WEIGHTS_FILE, "README.md")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -197,12 +71,6 @@ def _peft_pattern(pattern: Mapping[str, Any], key: str, default: Any) -> Any:
         if re.match(rf"(.*\.)?({k})$", key):
             return v
     return default
-
-
-def _base_module_names(model: nn.Module) -> list[str]:
-    """Module names as PEFT sees the base model (LoRA wrappers replaced by their base layers)."""
-    wrappers = [n for n, _ in lora_layers(model)]
-    return [n for n, _ in model.named_modules() if n and not any(n.startswith(w + ".") for w in wrappers)]
 
 
 def _number(x: float) -> int | float:
@@ -281,7 +149,7 @@ def peft_config_dict(state: AdapterState, module_names: list[str] | None = None,
 
 
 # ------------------------------------------------------------------------------------------------
-# save / load
+# write / read
 # ------------------------------------------------------------------------------------------------
 
 def write_adapter_dir(state: AdapterState, directory: str | Path, *, name: str = "default",
@@ -301,34 +169,11 @@ def write_adapter_dir(state: AdapterState, directory: str | Path, *, name: str =
         tensors[f"{_PEFT_PREFIX}{m}.lora_B.weight"] = state.factors[m]["lora_B"]
     meta = {"kind": _KIND, "name": name, "config": state.config, "modules": state.modules(),
             "scaling": {m: float(s) for m, s in state.scaling.items()}, "fingerprint": state.fingerprint}
-    if overwrite is None:
-        overwrite = directory.is_dir() and all(p.is_file() and p.name in _OWN_FILES for p in directory.iterdir())
-    with io.atomic_dir(directory, overwrite=bool(overwrite)) as tmp:
+
+    def files(tmp: Path) -> None:
         io.write_json(tmp / CONFIG_FILE, cfg)
         io.save_tensors(tmp / WEIGHTS_FILE, tensors, meta)
-    return directory
-
-
-def save_adapter(model: nn.Module, directory: str | Path, name: str = "default", *,
-                 overwrite: bool | None = None) -> Path:
-    """Save adapter ``name`` of ``model`` to ``directory`` (PEFT layout + rankwise fingerprint), atomically.
-
-    Load it back with :func:`load_adapter`, or with ``peft.PeftModel.from_pretrained(base, directory)``.
-    """
-    return write_adapter_dir(get_state(model, name), directory, name=name,
-                             module_names=_base_module_names(model), overwrite=overwrite)
-
-
-def export_peft(model: nn.Module, directory: str | Path, name: str = "default",
-                base_model_name_or_path: str | None = None, *, overwrite: bool | None = None) -> Path:
-    """Write adapter ``name`` as a PEFT LoRA directory that ``PeftModel.from_pretrained(base, directory)`` loads.
-
-    Same files as :func:`save_adapter`, with ``base_model_name_or_path`` recorded in the config.
-    Ranks/scalings that differ per module are written as ``rank_pattern``/``alpha_pattern``.
-    """
-    return write_adapter_dir(get_state(model, name), directory, name=name,
-                             module_names=_base_module_names(model),
-                             base_model_name_or_path=base_model_name_or_path, overwrite=overwrite)
+    return io.write_dir(directory, files, overwrite=overwrite, own_files=_OWN_FILES)
 
 
 _UNSUPPORTED_FLAGS: tuple[tuple[str, str], ...] = (
@@ -502,27 +347,35 @@ def import_peft(directory: str | Path, model: nn.Module | None = None) -> Adapte
     return state
 
 
-def load_peft(model: nn.Module, directory: str | Path, name: str = "default", *,
-              check_base: bool = True) -> nn.Module:
-    """Load a PEFT (or rankwise) LoRA directory into ``model`` as adapter ``name``; returns the model.
+# ------------------------------------------------------------------------------------------------
+# the LoRA family's AdapterMethod: the layer of rankwise.core.lora, this directory as its artefact
+# ------------------------------------------------------------------------------------------------
 
-    The model is checked before it is changed (shapes; the fingerprint when the directory has one
-    and ``check_base``); on error it is unchanged. The loaded adapter becomes the active one.
-    """
-    state = import_peft(directory, model)
-    set_state(model, state, name, check_base=check_base, source=str(directory))
-    return model
+class LoRAMethod(AdapterMethod):
+    """LoRA's model-level API; its artefact is a PEFT LoRA directory, read and written through
+    :class:`~rankwise.core.lora.AdapterState` (:func:`write_adapter_dir`, :func:`import_peft`)."""
+
+    factor_pairs = True
+
+    def save_adapter(self, model: nn.Module, directory: str | Path, name: str = "default", *,
+                     overwrite: bool | None = None) -> Path:
+        """Save adapter ``name`` of ``model`` as a PEFT-compatible LoRA directory (+ rankwise fingerprint),
+        atomically. Load it back with :meth:`load_adapter`, or with ``peft.PeftModel.from_pretrained``."""
+        return write_adapter_dir(get_state(model, name), directory, name=name,
+                                 module_names=base_module_names(model), overwrite=overwrite)
+
+    def load_adapter(self, model: nn.Module, directory: str | Path, name: str = "default", *,
+                     check_base: bool = True) -> nn.Module:
+        """Load a LoRA directory saved by rankwise or PEFT into ``model`` as adapter ``name`` (active).
+
+        Rejects (ArtifactError, model unchanged): a missing, corrupt or truncated file; an adapter saved
+        for another base model (fingerprint; skip with ``check_base=False``); modules that are missing or
+        of other shapes; unsupported PEFT features. Factors load bit-exactly.
+        """
+        state = import_peft(directory, model)
+        set_state(model, state, name, check_base=check_base, source=str(directory))
+        return model
 
 
-def load_adapter(model: nn.Module, directory: str | Path, name: str = "default", *,
-                 check_base: bool = True) -> nn.Module:
-    """Load an adapter saved by :func:`save_adapter` (or by PEFT) into ``model`` as adapter ``name``.
-
-    Rejects (ArtifactError, model unchanged): a missing, corrupt or truncated file; an adapter saved
-    for another base model (fingerprint; skip with ``check_base=False``); modules that are missing or
-    of other shapes; unsupported PEFT features. Factors load bit-exactly.
-    """
-    return load_peft(model, directory, name, check_base=check_base)
-
-
-register("lora", config=LoraConfig, entry=adapt)
+#: LoRA's model-level adapter API (set_active, merge, save_adapter, load_adapter, ...).
+LORA = LoRAMethod(LoraLinear, "rankwise.lora", default_lr=1e-3)
