@@ -66,6 +66,46 @@ def test_trains_saves_and_reloads_identically(tmp_path, method, optimizer):
     assert not torch.equal(ev0.logits, ev.logits)
 
 
+@pytest.mark.parametrize("method", ["mtlora", "lora_mixer"])
+def test_the_methods_auxiliary_loss_is_added_to_the_cross_entropy(monkeypatch, method):
+    """mtLoRA's regularisers / LoRA-Mixer's routing loss are trained with: the logged loss of step 1 is the
+    cross-entropy of the same run without the term plus exactly the term (summed in float32)."""
+    from rankwise.core import registry
+
+    am = registry.get(method).extras["adapter"]
+    original = type(am).auxiliary_loss
+    terms: list[torch.Tensor] = []
+
+    def recording(self, model, config):
+        fn = original(self, model, config)
+        assert fn is not None
+
+        def wrapped(m, batch, outputs, step):
+            t = fn(m, batch, outputs, step)
+            terms.append(t.detach())
+            return t
+        return wrapped
+
+    job = _small(method=method, options=OPTIONS[method], steps=1, eval_every=1, limit_eval=4)
+    monkeypatch.setattr(type(am), "auxiliary_loss", recording)
+    hooked = run_finetune(job)
+    monkeypatch.setattr(type(am), "auxiliary_loss", lambda self, model, config: None)
+    plain = run_finetune(job)
+    assert len(terms) == 1 and float(terms[0]) > 0
+    assert hooked.train_losses[0] == float(torch.tensor(plain.train_losses[0]) + terms[0].float())
+    assert hooked.train_losses[0] != plain.train_losses[0]
+
+
+def test_auxiliary_loss_declarations():
+    from rankwise.adapt import lora_mixer, mtlora
+    from rankwise.core import registry
+
+    assert mtlora.MTLORA.auxiliary_loss(None, mtlora.MtLoRAConfig(balance_alpha=0.0, spectral_lambda=0.0)) is None
+    assert lora_mixer.LORA_MIXER.auxiliary_loss(None, lora_mixer.LoRAMixerConfig()) is not None
+    for other in ("lora", "cdka", "psoft", "e2lora", "daf"):
+        assert registry.get(other).extras["adapter"].auxiliary_loss(None, None) is None
+
+
 def test_cli_jsonl_data_and_user_model_dir(tmp_path):
     from transformers import BertConfig, BertForSequenceClassification
 

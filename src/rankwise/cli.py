@@ -45,17 +45,48 @@ logging.getLogger("torchao").setLevel(logging.ERROR)
 logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
 
 
+def _fail(line: str) -> click.exceptions.Exit:
+    click.echo(f"rankwise: error: {line}", err=True)
+    return click.exceptions.Exit(USAGE_EXIT)
+
+
 class RankwiseGroup(TyperGroup):
-    """The top-level group: turns user errors raised by any verb into one line and exit 2."""
+    """The top-level group: turns user errors raised by any verb, and every usage error of click/typer
+    (bad option value, unknown option or command, missing or extra argument), into one line
+    ``rankwise: error: ...`` on stderr and exit 2 (no usage box)."""
+
+    def make_context(self, info_name: Optional[str], args: list[str], parent: Optional[click.Context] = None,
+                     **extra: Any) -> click.Context:
+        try:
+            return super().make_context(info_name, args, parent=parent, **extra)
+        except click.exceptions.NoArgsIsHelpError:
+            raise
+        except click.UsageError as e:
+            if common.debug():
+                raise
+            raise _fail(common.usage_line(e)) from None
+
+    def resolve_command(self, ctx: click.Context, args: list[str]) -> Any:
+        try:
+            return super().resolve_command(ctx, args)
+        except click.exceptions.NoSuchCommand as e:
+            close = f"did you mean {' or '.join(e.possibilities)}? " if e.possibilities else ""
+            raise click.UsageError(f"no such command {e.command_name!r}; {close}commands: "
+                                   f"{', '.join(sorted(self.list_commands(ctx)))}", ctx) from None
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
+        except click.exceptions.NoArgsIsHelpError:
+            raise
+        except click.UsageError as e:
+            if common.debug():
+                raise
+            raise _fail(common.usage_line(e)) from None
         except USER_ERRORS as e:
             if common.debug():
                 raise
-            click.echo(f"rankwise: error: {common.one_line(e)}", err=True)
-            raise click.exceptions.Exit(USAGE_EXIT) from None
+            raise _fail(common.one_line(e)) from None
 
 
 app = typer.Typer(

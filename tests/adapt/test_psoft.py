@@ -237,13 +237,84 @@ def test_neumann_warns_when_q_is_large():
     core = model[0].psoft["default"]
     with torch.no_grad():
         core.q.copy_(_random_q(6, 1.5))
-    with pytest.warns(UserWarning, match="spectral norm of Q is 1.500 > 0.9.*cayley='exact'") as caught:
-        y = contract.forward(model, "mlp")
-    assert len(caught) == 1 and torch.isfinite(y).all()
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # warned once per adapter, not every step
+        warnings.simplefilter("error")  # the forward pass does not check (it would have to read the norm back)
+        y = contract.forward(model, "mlp")
+    assert torch.isfinite(y).all()
+    with pytest.warns(UserWarning, match="spectral norm of Q is 1.500 > 0.9.*cayley='exact'") as caught:
+        model.eval()  # the end of a training phase: checked here
+    assert len(caught) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # warned once per adapter, not every time
+        model.train()
+        model.eval()
         y2 = contract.forward(model, "mlp")
+        assert psoft.check_neumann(model) == []
     assert torch.equal(y, y2)
+    fresh = psoft.adapt(contract.tiny_model("mlp"), psoft.PSOFTConfig(rank=6), target=nn.Linear)
+    with torch.no_grad():
+        fresh[0].psoft["default"].q.copy_(_random_q(6, 1.5))
+    with pytest.warns(UserWarning, match="spectral norm of Q is 1.500"):
+        assert psoft.check_neumann(fresh) == ["0/default"]
+
+
+def test_debug_switch_checks_in_the_forward_pass(monkeypatch):
+    from rankwise.adapt.psoft import layer as psoft_layer
+
+    monkeypatch.setattr(psoft_layer, "SYNC_CHECKS", True)
+    model = psoft.adapt(contract.tiny_model("mlp"), psoft.PSOFTConfig(rank=6), target=nn.Linear)
+    with torch.no_grad():
+        model[0].psoft["default"].q.copy_(_random_q(6, 1.5))
+    with pytest.warns(UserWarning, match="spectral norm of Q is 1.500"):
+        contract.forward(model, "mlp")
+
+
+def _no_host_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Make every way of reading a tensor value back to Python raise (a host sync on an accelerator)."""
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("host synchronisation on the forward/backward path")
+    for attr in ("item", "tolist", "__bool__", "__float__", "__int__", "__index__"):
+        monkeypatch.setattr(torch.Tensor, attr, refuse)
+
+
+@pytest.mark.parametrize("cfg", [dict(), dict(cayley="exact"), dict(neumann_eps=0.5), dict(orth=False),
+                                 dict(singular_values_on="input", neumann_terms=7)])
+@pytest.mark.parametrize("q_norm", [0.3, 1.5])
+def test_forward_and_backward_never_read_tensors_back_to_the_host(monkeypatch, cfg, q_norm):
+    model = psoft.adapt(contract.tiny_model("mlp"), psoft.PSOFTConfig(rank=6, **cfg), target=nn.Linear)
+    _set_core(model, 1, q_norm)
+    x = contract.inputs("mlp")
+    model.train()
+    expected = contract.forward(model, "mlp", x)
+    with monkeypatch.context() as m:
+        _no_host_reads(m)
+        y = model(x)
+        y.square().sum().backward()
+    assert torch.equal(y.detach(), expected)
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+def _cayley_with_branch(Q: torch.Tensor, terms: int, eps: float) -> torch.Tensor:
+    """The former implementation: rescale decided on the host."""
+    norm = torch.linalg.matrix_norm(Q, "fro")
+    if bool(torch.isfinite(norm.detach())) and float(norm.detach()) > eps:
+        Q = Q * (eps / (norm + 1e-12))
+    return psoft.cayley(Q, terms)
+
+
+@pytest.mark.parametrize("norm", [0.0, 0.2, 0.5, 3.0])
+def test_branch_free_rescaling_gives_the_same_values_and_gradients(norm):
+    r, eps = 6, 0.5
+    q0 = _random_q(r, norm) if norm else torch.zeros(r * (r - 1) // 2, dtype=torch.float64)
+    outs = []
+    for fn in (lambda Q: psoft.cayley(Q, 5, eps), lambda Q: _cayley_with_branch(Q, 5, eps)):
+        q = q0.float().clone().requires_grad_(True)
+        R = fn(psoft.skew_from_params(q, r))
+        (R * torch.arange(r * r, dtype=R.dtype).reshape(r, r)).sum().backward()
+        outs.append((R.detach(), q.grad))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    Q = psoft.skew_from_params(q0, r)
+    assert torch.equal(psoft.cayley(Q, None), psoft.cayley(Q, None, check=False))
 
 
 def test_non_finite_and_rank_deficient_weights():

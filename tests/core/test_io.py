@@ -375,3 +375,37 @@ def test_tied_parameters_counted_once():
     m = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False))
     m[1].weight = m[0].weight
     assert [n for n, _, _ in io.base_parameters(m)] == ["0.weight"]
+
+
+def test_atomic_dir_cleans_leftovers_of_killed_writes(tmp_path, caplog):
+    """Any artefact directory (adapters, finetune checkpoints, compressed models) written through
+    atomic_dir: a dead writer's .tmp and a finished overwrite's .old are removed at the next write; a
+    .tmp whose writer still runs is left, with a warning."""
+    import json
+    import subprocess
+    import sys
+
+    from rankwise.core import io
+
+    target = tmp_path / "adapter"
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()  # a pid that no longer runs
+    dead = tmp_path / ".adapter.abcd1234.tmp"
+    dead.mkdir()
+    (dead / io.WRITER_MARKER).write_text(json.dumps({"pid": proc.pid, "host": __import__("socket").gethostname()}))
+    alive = tmp_path / ".adapter.efgh5678.tmp"
+    alive.mkdir()
+    (alive / io.WRITER_MARKER).write_text(json.dumps({"pid": os.getppid(),
+                                                      "host": __import__("socket").gethostname()}))
+    with io.atomic_dir(target) as tmp:
+        assert (tmp / io.WRITER_MARKER).exists()
+        (tmp / "a.txt").write_text("one")
+    assert not dead.exists() and alive.exists()
+    assert not (target / io.WRITER_MARKER).exists() and (target / "a.txt").read_text() == "one"
+    old = tmp_path / ".adapter.ijkl9012.old"
+    old.mkdir()
+    with io.atomic_dir(target, overwrite=True) as tmp:
+        (tmp / "a.txt").write_text("two")
+    assert not old.exists() and (target / "a.txt").read_text() == "two"
+    assert alive.exists()
+    assert not list(tmp_path.glob(".adapter.*.old"))

@@ -12,7 +12,7 @@ pytest.importorskip("flwr")
 
 from rankwise.core.errors import ArtifactError, SelectionError  # noqa: E402
 from rankwise.core.lora import AdapterState  # noqa: E402
-from rankwise.federated import FSLoRAConfig, SyntheticTask, build_strategy, make_client_fn, run_federated  # noqa: E402
+from rankwise.federated import FederatedConfig, SyntheticTask, build_strategy, make_client_fn, run_federated  # noqa: E402
 from rankwise.federated.fslora import draw_indices, sketch_matrix  # noqa: E402
 from rankwise.federated.strategy import ClientUpdate  # noqa: E402
 
@@ -27,11 +27,11 @@ def task() -> SyntheticTask:
     return SyntheticTask(num_clients=N, per_client=32, n_test=128, d_in=8, hidden=16)
 
 
-def cfg(**kw) -> FSLoRAConfig:
+def cfg(**kw) -> FederatedConfig:
     base = dict(rank=8, alpha=8.0, client_ranks={i: [2, 4, 8][i % 3] for i in range(N)}, clients_per_round=3,
                 local_steps=3, batch_size=8, client_lr=1e-2)
     base.update(kw)
-    return FSLoRAConfig(**base)
+    return FederatedConfig(**base)
 
 
 def run(method, task, config, rounds=2, **kw):
@@ -174,7 +174,7 @@ def test_registered():
     from rankwise.core import registry
 
     e = registry.get("fslora")
-    assert e.config is FSLoRAConfig and e.family == "federated"
+    assert e.config is FederatedConfig and e.family == "federated"
     assert registry.status("fslora") == "reproduced"
 
 
@@ -306,16 +306,16 @@ def test_bad_config(kw, match):
     base = dict(rank=8)
     base.update(kw)
     with pytest.raises(ValueError, match=match):
-        FSLoRAConfig(**base)
+        FederatedConfig(**base)
 
 
 def test_unknown_and_missing_client_ids(task):
     with pytest.raises(ValueError, match="client ids"):
         build_strategy("fslora", cfg(client_ranks={0: 2, 40: 4}), task)
-    c = FSLoRAConfig(rank=8, client_ranks={0: 2})
+    c = FederatedConfig(rank=8, client_ranks={0: 2})
     with pytest.raises(ValueError, match="default_rank"):
         c.rank_of(3)
-    assert FSLoRAConfig(rank=8, client_ranks={0: 2}, default_rank=4).rank_of(3) == 4
+    assert FederatedConfig(rank=8, client_ranks={0: 2}, default_rank=4).rank_of(3) == 4
 
 
 def test_rank_above_layer_and_bad_targets(task):

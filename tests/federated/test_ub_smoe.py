@@ -320,9 +320,9 @@ def test_strategy_rejects_model_without_moe():
 
 
 def test_plain_fslora_config_is_read_with_ub_defaults():
-    from rankwise.federated.config import FSLoRAConfig
+    from rankwise.federated.config import FederatedConfig
 
-    cfg = UBSMoEConfig.from_base(FSLoRAConfig(rank=4, client_ranks={0: 2}, local_steps=3))
+    cfg = UBSMoEConfig.from_base(FederatedConfig(rank=4, client_ranks={0: 2}, local_steps=3))
     assert cfg.rank == 4 and cfg.local_steps == 3 and cfg.dmr and cfg.pseudo_gradient
     assert [cfg.budget_of(i) for i in range(5)] == [0.25, 0.5, 0.75, 1.0, 0.25]
     assert json.loads(json.dumps(cfg.to_json()))["phi_range"] == [-1.0, 1.0]
@@ -353,12 +353,12 @@ def test_resume_gives_the_same_global_state(tmp_path):
 def test_florist_stacked_svd_is_exact_and_thresholds_energy():
     from rankwise.federated.runner import build_strategy, run_federated
     from rankwise.federated.client import make_client_fn
-    from rankwise.federated.config import FSLoRAConfig
+    from rankwise.federated.config import FederatedConfig
     from rankwise.federated.strategy import ClientUpdate
     from rankwise.federated.tasks import SyntheticTask
 
     task = SyntheticTask(num_clients=2, per_client=16, hidden=16)
-    cfg = FSLoRAConfig(rank=8, client_ranks={0: 2, 1: 4}, clients_per_round=2, local_steps=1, seed=0)
+    cfg = FederatedConfig(rank=8, client_ranks={0: 2, 1: 4}, clients_per_round=2, local_steps=1, seed=0)
     s = build_strategy("florist", cfg, task, evaluate=False, energy=1.0)
     g = torch.Generator().manual_seed(0)
     ups, target = [], {}

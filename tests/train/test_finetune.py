@@ -324,3 +324,42 @@ def test_batch_to_device_is_identity_on_same_device() -> None:
     b = Batch({"input_ids": torch.zeros(2, 3, dtype=torch.long)}, torch.zeros(2, dtype=torch.long))
     assert b.to(torch.device("cpu")) is b
     assert len(b) == 2
+
+
+def test_extra_loss_is_added_to_the_cross_entropy_and_logged() -> None:
+    cfg = FinetuneConfig(steps=3, batch_size=8, lr=0.05, seed=3)
+    batches = make_batches(TOK, TRAIN, cfg)
+    seen = []
+
+    def extra(model, batch, outputs, step):  # reads the forward's outputs, as a routing loss would
+        seen.append((step, len(batch)))
+        return 0.5 * outputs.logits.square().mean() + model.head.weight.abs().sum() * 1e-3
+
+    plain, hooked = Trainer(BagModel(dropout=0.2), cfg, 3), Trainer(BagModel(dropout=0.2), cfg, 3, extra_loss=extra)
+    plain.step(batches[0])
+    hooked.step(batches[0])
+    assert seen == [(0, 8)] and len(hooked.extra_losses) == 1 and plain.extra_losses == []
+    # same model, batch and dropout seed: the logged loss is exactly CE + the extra term (summed in float32)
+    assert hooked.losses[0] == float(torch.tensor(plain.losses[0]) + torch.tensor(hooked.extra_losses[0]))
+    assert hooked.losses[0] != plain.losses[0]
+    # and it is what was trained: the parameters moved differently
+    assert not torch.equal(plain.model.head.weight, hooked.model.head.weight)
+    zero = Trainer(BagModel(), cfg, 3, extra_loss=lambda m, b, o, s: torch.zeros(()))
+    ref = Trainer(BagModel(), cfg, 3)
+    for b in batches:
+        zero.step(b)
+        ref.step(b)
+    assert zero.losses == ref.losses and torch.equal(zero.model.head.weight, ref.model.head.weight)
+    res = finetune(BagModel(), TOK, TRAIN, None, cfg, extra_loss=lambda m, b, o, s: torch.tensor(1.0))
+    assert res.losses == [float(torch.tensor(x) + 1.0) for x in finetune(BagModel(), TOK, TRAIN, None, cfg).losses]
+
+
+def test_bad_extra_loss() -> None:
+    cfg = FinetuneConfig(steps=1, batch_size=4)
+    with pytest.raises(TypeError, match="extra_loss must be callable"):
+        Trainer(BagModel(), cfg, 1, extra_loss=3.0)  # type: ignore[arg-type]
+    batch = make_batches(TOK, TRAIN, cfg)[0]
+    with pytest.raises(TypeError, match="scalar tensor, got Tensor of shape \\(2,\\)"):
+        Trainer(BagModel(), cfg, 1, extra_loss=lambda m, b, o, s: torch.zeros(2)).step(batch)
+    with pytest.raises(NumericalError, match="step 0"):
+        Trainer(BagModel(), cfg, 1, extra_loss=lambda m, b, o, s: torch.tensor(float("nan"))).step(batch)

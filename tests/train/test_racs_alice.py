@@ -634,7 +634,7 @@ def test_alice_matches_a_direct_transcription_of_the_spec_steps():
 
 
 def test_alice_large_side_initial_basis_is_the_top_subspace(monkeypatch):
-    import rankwise.train.alice as alice_mod
+    import rankwise.train.racs_alice.alice as alice_mod
 
     g = torch.randn(60, 12, generator=_gen(43)) @ torch.diag(torch.linspace(5, 0.5, 12)) @ torch.randn(12, 80, generator=_gen(44))
     exact = alice_switch(g, None, None, 0.999, 3, 8)

@@ -69,15 +69,11 @@ def save_with_tokenizer(model: nn.Module, out: str | Path, report: CompressionRe
                         overwrite: bool = False) -> tuple[Path, list[str]]:
     """Save the compressed model (:func:`~rankwise.compress.serialization.save_compressed`) and its tokenizer.
 
-    Returns the directory and notes (a tokenizer that cannot be saved is noted, not fatal). The one place
-    this module writes a model directory.
+    Returns the directory and notes. The one place this module writes a model directory. The tokenizer is
+    written inside the directory before it is renamed into place (a killed run never leaves a model
+    without its tokenizer); one that cannot be saved fails the save, leaving nothing.
     """
-    out_dir = save_compressed(model, out, report, overwrite=overwrite)
-    try:
-        tokenizer.save_pretrained(str(out_dir))
-    except Exception as e:  # the model is saved; a tokenizer that cannot be saved is only noted
-        return out_dir, [f"the tokenizer was not saved ({e})"]
-    return out_dir, []
+    return save_compressed(model, out, report, overwrite=overwrite, tokenizer=tokenizer), []
 
 
 def _pair_batches(tokenizer: Any, texts: Sequence[str], batch_size: int, max_length: int) -> list[dict[str, Any]]:

@@ -6,9 +6,25 @@ Directory format of a compressed model (written atomically: the directory appear
       config.json                 the transformers config of the base model (when it has one)
       model.safetensors           the compressed model's state dict (LowRankLinear: *.down.weight,
                                   *.up.weight, *.up.bias), with per-tensor SHA-256 digests in the header
-      rankwise_compression.json   {"format": "rankwise-compressed", "version": 1, "method", "architecture",
+      tokenizer files             when a tokenizer is given (``save_compressed(..., tokenizer=)``)
+      rankwise_compression.json   {"format": "rankwise-compressed", "version": 2, "method", "architecture",
                                    "architecture_module", "base_fingerprint", "layers": {name: {"in", "out",
-                                   "rank", "bias", "dtype"}}, "params", "report"}
+                                   "rank", "bias", "dtype"}}, "params", "report",
+                                   "files": {name: sha256}}
+
+``files`` holds the SHA-256 of every other file of the directory except the safetensors weights
+(which carry per-tensor digests): ``config.json``, the tokenizer files, the shard index. Loading
+checks them, so an edited ``config.json`` (``num_attention_heads``, ``hidden_act``,
+``layer_norm_eps``, ...) or tokenizer raises :class:`~rankwise.core.errors.ArtifactError` instead of
+building a different model. Directories of format version 1 (rankwise before the digests) carry no
+``files``: they load, with a logged warning that their config and tokenizer are not covered.
+
+Everything (weights, config, tokenizer, metadata) is written into a hidden temporary sibling
+``.<name>.XXXXXXXX.tmp`` that is renamed into place in one step; ``overwrite`` moves the previous
+directory aside as ``.<name>.XXXXXXXX.old`` and deletes it after the rename. A run killed while
+writing leaves such siblings behind; the next write to the same directory deletes the temporary
+ones whose writer process is gone (a marker file inside records it) and an ``.old`` one whose
+directory exists, and logs a warning for any other it cannot prove stale.
 
 :func:`~rankwise.compress.pipeline.compress_checkpoint` writes the same format with one shard per
 block (``model-00001-of-000NN.safetensors``, the last shard holding the non-block tensors) and a
@@ -25,7 +41,10 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
+import logging
+import os
+import re
+import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
@@ -41,11 +60,13 @@ from rankwise.core.surgery import count_parameters, replace_module
 Tensor = torch.Tensor
 
 __all__ = ["save_compressed", "load_compressed", "read_compression_metadata", "build_skeleton",
-           "CheckpointReader", "ShardWriter", "param_entries", "fingerprint_from_samples", "META_FILE",
-           "WEIGHTS_FILE", "INDEX_FILE"]
+           "CheckpointReader", "ShardWriter", "param_entries", "fingerprint_from_samples", "check_output_dir",
+           "verify_files", "is_compressed_dir", "META_FILE", "WEIGHTS_FILE", "INDEX_FILE"]
+
+log = logging.getLogger(__name__)
 
 FORMAT = "rankwise-compressed"
-VERSION = 1
+VERSION = 2  # 2: "files" digests (config.json, tokenizer, index) in the metadata
 META_FILE = "rankwise_compression.json"
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -100,8 +121,12 @@ def build_skeleton(config: Any, model_class: type | None = None) -> nn.Module:
         cls = getattr(transformers, archs[0], None)
         if cls is None:
             raise ArtifactError(f"transformers has no class {archs[0]!r} (config.architectures); pass model_class=")
-    with params_on_meta():
-        model = cls(config)
+    try:
+        with params_on_meta():
+            model = cls(config)
+    except Exception as e:  # a config that does not fit the class (edited, or another architecture's)
+        raise ArtifactError(f"cannot build {getattr(cls, '__name__', cls)} from this config "
+                            f"({type(e).__name__}: {' '.join(str(e).split())})") from e
     dt = _config_dtype(config)
     if dt is not None:
         for mod in model.modules():
@@ -141,15 +166,13 @@ class CheckpointReader:
     """Lazy access to the tensors of a ``save_pretrained`` directory (safetensors, single file or sharded)."""
 
     def __init__(self, model_dir: str | Path):
-        from transformers import AutoConfig
-
         d = Path(model_dir)
         if not d.is_dir():
             raise ArtifactError(f"{d}: no such model directory")
         if not (d / "config.json").is_file():
             raise ArtifactError(f"{d}: no config.json (expected a save_pretrained directory)")
         self.dir = d
-        self.config = AutoConfig.from_pretrained(str(d), local_files_only=True)
+        self.config = read_config(d)
         self.key_file: dict[str, Path] = {}
         index = d / INDEX_FILE
         if index.is_file():
@@ -291,7 +314,7 @@ def _layers_of(model: nn.Module) -> dict[str, dict[str, Any]]:
 
 
 def _metadata(model: nn.Module, report: CompressionReport | None, fingerprint: str | None,
-              params: int) -> dict[str, Any]:
+              params: int, files: Mapping[str, str]) -> dict[str, Any]:
     return {
         "format": FORMAT, "version": VERSION,
         "method": report.method if report is not None else None,
@@ -301,6 +324,7 @@ def _metadata(model: nn.Module, report: CompressionReport | None, fingerprint: s
         "params": params,
         "params_before": report.params_before if report is not None else None,
         "report": report.to_json() if report is not None else None,
+        "files": dict(sorted(files.items())),
     }
 
 
@@ -312,13 +336,64 @@ def _write_config(model: nn.Module, folder: Path, config: Any = None) -> bool:
     return False
 
 
+def _write_tokenizer(tokenizer: Any, folder: Path) -> None:
+    if not hasattr(tokenizer, "save_pretrained"):
+        raise TypeError(f"tokenizer must have save_pretrained (a transformers tokenizer), got {type(tokenizer).__name__}")
+    try:
+        tokenizer.save_pretrained(str(folder))
+    except Exception as e:
+        raise ArtifactError(f"cannot save the tokenizer ({type(e).__name__}: {' '.join(str(e).split())})") from e
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _file_digests(folder: Path) -> dict[str, str]:
+    """SHA-256 of the files the metadata covers: all but the weights (own digests), the metadata, the marker."""
+    return {p.name: _sha256_file(p) for p in sorted(folder.iterdir())
+            if p.is_file() and p.name not in (META_FILE, io.WRITER_MARKER) and not p.name.endswith(".safetensors")}
+
+
+clean_stale_siblings = io.clean_stale_siblings  # public here since format version 2
+
+
+def check_output_dir(directory: str | Path, *, overwrite: bool = False) -> Path:
+    """Check, before any work, that ``directory`` can be written: not a file, empty or ``overwrite``, and
+    the nearest existing parent writable. Raises :class:`~rankwise.core.errors.ArtifactError` otherwise."""
+    d = Path(directory)
+    if d.exists() and not d.is_dir():
+        raise ArtifactError(f"cannot write {d}: a file of that name exists")
+    if d.is_dir() and any(d.iterdir()) and not overwrite:
+        raise ArtifactError(f"cannot write {d}: the directory exists and is not empty (pass overwrite=True, "
+                            "--overwrite on the command line, to replace it)")
+    anc = d.absolute().parent
+    while not anc.exists() and anc != anc.parent:
+        anc = anc.parent
+    if not anc.is_dir():
+        raise ArtifactError(f"cannot write {d}: {anc} is not a directory")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".rankwise-probe.", dir=anc))
+    except OSError as e:
+        raise ArtifactError(f"cannot write {d}: directory {anc} is not writable ({e.strerror or e})") from None
+    return d
+
+
 def save_compressed(model: nn.Module, directory: str | Path, report: CompressionReport | None = None, *,
-                    base_fingerprint: str | None = None, overwrite: bool = False) -> Path:
-    """Write a compressed model to ``directory`` (config, safetensors weights, rankwise metadata), atomically.
+                    base_fingerprint: str | None = None, overwrite: bool = False, tokenizer: Any = None) -> Path:
+    """Write a compressed model to ``directory`` (config, safetensors weights, tokenizer, rankwise metadata),
+    atomically: everything goes into a temporary sibling that is renamed into place in one step.
 
     ``base_fingerprint`` defaults to the one :func:`~rankwise.compress.pipeline.compress` recorded in
-    ``report.extra["base_fingerprint"]``. An existing non-empty directory raises
-    :class:`~rankwise.core.errors.ArtifactError` unless ``overwrite``. Returns the directory.
+    ``report.extra["base_fingerprint"]``. ``tokenizer`` (anything with ``save_pretrained``) is saved
+    with the model, so that the directory is a complete ``--model`` for the other commands. An existing
+    non-empty directory raises :class:`~rankwise.core.errors.ArtifactError` unless ``overwrite``.
+    Leftovers of an earlier killed write are cleaned up first (see the module docstring). Returns the
+    directory.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -334,8 +409,10 @@ def save_compressed(model: nn.Module, directory: str | Path, report: Compression
     directory = Path(directory)
     with io.atomic_dir(directory, overwrite=overwrite) as tmp:
         _write_config(model, tmp)
+        if tokenizer is not None:
+            _write_tokenizer(tokenizer, tmp)
         io.save_tensors(tmp / WEIGHTS_FILE, sd, metadata={"format": FORMAT, "version": VERSION})
-        io.write_json(tmp / META_FILE, _metadata(model, report, fp, count_parameters(model)))
+        io.write_json(tmp / META_FILE, _metadata(model, report, fp, count_parameters(model), _file_digests(tmp)))
     return directory
 
 
@@ -375,16 +452,37 @@ class ShardWriter:
             self.weight_map[k] = name
             self.total += v.numel() * v.element_size()
 
-    def finish(self, model: nn.Module, report: CompressionReport, *, fingerprint: str | None, config: Any) -> None:
+    def finish(self, model: nn.Module, report: CompressionReport, *, fingerprint: str | None, config: Any,
+               tokenizer: Any = None) -> None:
         assert self.tmp is not None
         io.write_json(self.tmp / INDEX_FILE, {"metadata": {"total_size": self.total, "format": FORMAT},
                                              "weight_map": dict(sorted(self.weight_map.items()))})
         _write_config(model, self.tmp, config)
-        io.write_json(self.tmp / META_FILE, _metadata(model, report, fingerprint, report.params_after))
+        if tokenizer is not None:
+            _write_tokenizer(tokenizer, self.tmp)
+        io.write_json(self.tmp / META_FILE, _metadata(model, report, fingerprint, report.params_after,
+                                                      _file_digests(self.tmp)))
 
 
 # ----------------------------------------------------------------------------------------------
 # loading
+
+
+def read_config(directory: str | Path) -> Any:
+    """The transformers config of a model directory; an empty, garbled or unknown ``config.json`` raises
+    :class:`~rankwise.core.errors.ArtifactError` naming it (transformers would raise ``OSError``/``ValueError``)."""
+    from transformers import AutoConfig
+
+    d = Path(directory)
+    path = d / "config.json"
+    if not path.is_file():
+        raise ArtifactError(f"{d}: no config.json (expected a save_pretrained directory)")
+    io.read_json(path)  # empty, not JSON, not an object: one clear line
+    try:
+        return AutoConfig.from_pretrained(str(d), local_files_only=True)
+    except Exception as e:  # transformers raises OSError, ValueError, KeyError, TypeError, ... for bad configs
+        raise ArtifactError(f"{path}: not a valid transformers config ({type(e).__name__}: "
+                            f"{' '.join(str(e).split())[:300]})") from e
 
 
 def read_compression_metadata(directory: str | Path) -> dict[str, Any]:
@@ -396,8 +494,16 @@ def read_compression_metadata(directory: str | Path) -> dict[str, Any]:
     if meta.get("format") != FORMAT:
         raise ArtifactError(f"{d / META_FILE}: not a rankwise compressed model (format {meta.get('format')!r})")
     v = meta.get("version")
-    if not isinstance(v, int) or v > VERSION:
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise ArtifactError(f"{d / META_FILE}: malformed format version {v!r}")
+    if v > VERSION:
         raise ArtifactError(f"{d / META_FILE}: format version {v!r} is newer than this rankwise reads ({VERSION})")
+    files = meta.get("files")
+    if v >= 2:
+        if not isinstance(files, dict) or not all(
+                isinstance(k, str) and _SAFE_NAME.fullmatch(k) and isinstance(h, str) and _HEX64.fullmatch(h)
+                for k, h in files.items()):
+            raise ArtifactError(f"{d / META_FILE}: malformed or missing file digests ('files')")
     layers = meta.get("layers")
     if not isinstance(layers, dict) or not layers:
         raise ArtifactError(f"{d / META_FILE}: no compressed layers listed")
@@ -408,6 +514,42 @@ def read_compression_metadata(directory: str | Path) -> dict[str, Any]:
         if spec["rank"] > min(spec["in"], spec["out"]):
             raise ArtifactError(f"{d / META_FILE}: layer {n!r} has rank {spec['rank']} > min(in, out)")
     return meta
+
+
+_SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]*")
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+
+
+def is_compressed_dir(directory: str | Path) -> bool:
+    """``directory`` holds a rankwise compressed model (its metadata file), valid or not."""
+    return (Path(directory) / META_FILE).is_file()
+
+
+def verify_files(directory: str | Path, meta: Mapping[str, Any] | None = None) -> None:
+    """Check the files the metadata's digests cover (``config.json``, tokenizer files, shard index).
+
+    Raises :class:`~rankwise.core.errors.ArtifactError` naming the first file that is missing or differs,
+    or a ``config.json`` that appeared after saving. Directories of format version 1 have no digests:
+    a warning is logged and nothing is checked.
+    """
+    d = Path(directory)
+    meta = read_compression_metadata(d) if meta is None else meta
+    files = meta.get("files")
+    if meta.get("version", 1) < 2 or files is None:
+        log.warning("%s was written by an older rankwise (format version %s): its config.json and tokenizer "
+                    "files are not covered by an integrity check; save it again to cover them", d,
+                    meta.get("version"))
+        return
+    for name, digest in sorted(files.items()):
+        f = d / name
+        if not f.is_file():
+            raise ArtifactError(f"{f}: missing (the compressed model was saved with it)")
+        if _sha256_file(f) != digest:
+            raise ArtifactError(f"{f}: modified after the compressed model was saved (its SHA-256 differs from "
+                                f"the one in {META_FILE}); restore it or compress again")
+    if (d / "config.json").is_file() and "config.json" not in files:
+        raise ArtifactError(f"{d / 'config.json'}: added after the compressed model was saved (it was saved "
+                            "without one); remove it, or pass model= to load into your own instance")
 
 
 def _load_weights(d: Path, expect: Mapping[str, Any]) -> dict[str, Tensor]:
@@ -445,13 +587,12 @@ def load_compressed(directory: str | Path, model: nn.Module | None = None, *,
     """
     d = Path(directory)
     meta = read_compression_metadata(d)
+    verify_files(d, meta)
     if model is None:
         if not (d / "config.json").is_file():
             raise ArtifactError(f"{d}: no config.json; this model is not a transformers model, pass model= (a fresh "
                                 f"instance of {meta.get('architecture')!r}) to load into")
-        from transformers import AutoConfig
-
-        config = AutoConfig.from_pretrained(str(d), local_files_only=True)
+        config = read_config(d)
         cls = model_class
         if cls is None:
             import transformers
@@ -460,6 +601,8 @@ def load_compressed(directory: str | Path, model: nn.Module | None = None, *,
             cls = getattr(transformers, arch, None) if mod.startswith("transformers") else None
             if cls is None:
                 raise ArtifactError(f"{d}: architecture {arch!r} ({mod}) is not a transformers class; pass model=")
+        if not isinstance(cls, type) or not issubclass(cls, nn.Module):
+            raise ArtifactError(f"{d}: architecture {arch!r} is not a model class; pass model=")
         model = build_skeleton(config, cls)
     elif not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")

@@ -42,6 +42,7 @@ import torch
 from torch import nn
 
 from rankwise.core import io
+from rankwise.core.calibration import default_loss  # noqa: F401 (its former home; re-exported)
 from rankwise.core.errors import ArtifactError, NumericalError, RankwiseError, SelectionError
 from rankwise.core.select import Selector, available_names, select
 from rankwise.core.surgery import replace_module, transaction
@@ -646,7 +647,7 @@ class AdapterMethod:
     the adapter the active one and freezes the rest.
 
     What a training run needs from the family is declared here too (:meth:`calibration_batches`,
-    :meth:`training_hook`, ``default_lr``, ``factor_pairs``).
+    :meth:`training_hook`, :meth:`auxiliary_loss`, ``default_lr``, ``factor_pairs``).
     """
 
     #: adapter learning rate a training run uses when none is given
@@ -754,6 +755,11 @@ class AdapterMethod:
     def training_hook(self, model: nn.Module, config: Any, calib: Sequence[Any] | None,
                       total_steps: int) -> Callable[[Any, int], None] | None:
         """A callback ``f(trainer, steps_done)`` run after every optimizer step, or None."""
+        return None
+
+    def auxiliary_loss(self, model: nn.Module, config: Any) -> Callable[[nn.Module, Any, Any, int], torch.Tensor] | None:
+        """The method's training-loss term beside the task loss, as ``f(model, batch, outputs, step) -> scalar``
+        (``rankwise.train.finetune.Trainer``'s ``extra_loss``: called after each forward pass), or None."""
         return None
 
     # -- save ---------------------------------------------------------------------------------------
@@ -881,18 +887,3 @@ class AdapterMethod:
             self.prune(model)
             self.sync_trainable(model, freeze_base=True)
         return model
-
-
-def default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
-    """``model(**batch).loss`` for a dict batch, ``model(*batch).loss`` for a tuple, ``model(batch).loss``
-    otherwise: the calibration loss of methods that read gradients (pass ``loss_fn`` for anything else)."""
-    if isinstance(batch, Mapping):
-        out = model(**batch)
-    elif isinstance(batch, (tuple, list)):
-        out = model(*batch)
-    else:
-        out = model(batch)
-    loss = out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", None)
-    if not isinstance(loss, torch.Tensor):
-        raise TypeError("the model's output has no .loss; pass loss_fn=lambda model, batch: <scalar loss>")
-    return loss

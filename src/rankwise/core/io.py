@@ -56,8 +56,11 @@ import contextlib
 import fnmatch
 import hashlib
 import json
+import logging
 import os
+import re
 import shutil
+import socket
 import tempfile
 import uuid
 from pathlib import Path
@@ -67,6 +70,8 @@ import torch
 from torch import nn
 
 from rankwise.core.errors import ArtifactError
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "FINGERPRINT_SAMPLES",
@@ -225,13 +230,79 @@ def read_json(path: PathLike) -> dict[str, Any]:
     return obj
 
 
+# A run killed while writing leaves its temporary directory behind; this marker inside it says which
+# process wrote it, so that the next write of the same artefact can tell a dead writer's leftovers from
+# a write still in progress.
+WRITER_MARKER = ".rankwise-writer.json"
+
+
+def _mark_writer(tmp: Path) -> None:
+    (tmp / WRITER_MARKER).write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}))
+
+
+def _writer_gone(tmp: Path) -> bool:
+    """The marker of ``tmp`` names a process of this host that no longer runs."""
+    try:
+        info = json.loads((tmp / WRITER_MARKER).read_text())
+        pid, host = int(info["pid"]), info["host"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    if host != socket.gethostname() or pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # the process exists and belongs to someone else
+        return False
+    return False
+
+
+def clean_stale_siblings(directory: PathLike) -> list[Path]:
+    """Delete what killed writes of ``directory`` left beside it; warn about what cannot be proven stale.
+
+    :func:`atomic_dir` writes into ``.<name>.XXXXXXXX.tmp`` and, when replacing, moves the old version
+    to ``.<name>.XXXXXXXX.old``. Removed here: ``.tmp`` directories whose writer (recorded in
+    :data:`WRITER_MARKER`) no longer runs on this host, and ``.old`` directories when ``directory``
+    itself exists (the replacement finished; only the deletion was interrupted). Anything else that
+    matches is left in place with a warning. Returns the paths removed.
+    """
+    d = Path(directory)
+    if not d.parent.is_dir():
+        return []
+    pattern = re.compile(rf"\.{re.escape(d.name)}\.[a-z0-9_]{{8}}\.(tmp|old)")
+    removed = []
+    for p in sorted(d.parent.iterdir()):
+        m = pattern.fullmatch(p.name)
+        if m is None or not p.is_dir() or p.is_symlink():
+            continue
+        kind = m.group(1)
+        if (kind == "tmp" and _writer_gone(p)) or (kind == "old" and d.is_dir()):
+            shutil.rmtree(p, ignore_errors=True)
+            if not p.exists():
+                removed.append(p)
+                log.info("removed %s, left by an interrupted write of %s", p, d)
+                continue
+        if kind == "old":
+            log.warning("%s holds a previous version of %s left by an interrupted overwrite; rename it back "
+                        "or delete it", p, d)
+        else:
+            log.warning("%s is the temporary directory of a write of %s that is still running or was "
+                        "interrupted; delete it if no rankwise process is writing there", p, d)
+    return removed
+
+
+
 @contextlib.contextmanager
 def atomic_dir(path: PathLike, *, overwrite: bool = False) -> Iterator[Path]:
     """Write a whole artefact directory atomically.
 
     Yields a fresh temporary directory, a sibling of ``path``; write the artefact's files into it.
     When the block succeeds, the files are fsynced and the directory is renamed to ``path``; when
-    it raises, the temporary directory is deleted and ``path`` is untouched.
+    it raises, the temporary directory is deleted and ``path`` is untouched. Leftovers of earlier
+    writes of ``path`` that were killed are cleaned up first (:func:`clean_stale_siblings`); the
+    temporary directory holds :data:`WRITER_MARKER` while it is being written (removed before the
+    rename, so it never appears in ``path``).
 
     An existing empty directory at ``path`` is replaced. An existing non-empty one raises
     ArtifactError unless ``overwrite=True``, in which case it is moved aside, the new directory is
@@ -240,6 +311,7 @@ def atomic_dir(path: PathLike, *, overwrite: bool = False) -> Iterator[Path]:
     path = Path(path)
     parent = path.parent
     _ensure_dir(parent, path)
+    clean_stale_siblings(path)
     if path.exists() and not path.is_dir():
         raise ArtifactError(f"cannot write directory {path}: a file of that name exists")
     if path.is_dir() and any(path.iterdir()) and not overwrite:
@@ -251,7 +323,9 @@ def atomic_dir(path: PathLike, *, overwrite: bool = False) -> Iterator[Path]:
         raise ArtifactError(f"cannot write {path}: directory {parent} is not writable "
                             f"({e.strerror or e})") from e
     try:
+        _mark_writer(tmp)
         yield tmp
+        (tmp / WRITER_MARKER).unlink(missing_ok=True)
         os.chmod(tmp, _DIR_MODE)
         for root, _dirs, files in os.walk(tmp):
             for fname in files:

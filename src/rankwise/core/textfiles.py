@@ -30,7 +30,8 @@ def read_texts(path: str | Path) -> list[str]:
     try:
         lines = p.read_text(encoding="utf-8").splitlines()
     except UnicodeDecodeError as e:
-        raise ValueError(f"{p}: not UTF-8 text ({e})") from None
+        line = p.read_bytes()[:e.start].count(b"\n") + 1
+        raise ValueError(f"{p}:{line}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     out: list[str] = []
     if p.suffix.lower() in (".jsonl", ".ndjson"):
         for i, line in enumerate(lines, 1):

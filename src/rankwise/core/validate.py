@@ -6,8 +6,9 @@ range, e.g. ``"LoraConfig.rank must be an int >= 1, got 0"``. Each function retu
 converted to a plain Python type (``int``, ``float``, ``str``) so callers can store it directly.
 
 ``field`` is the name to show, qualified by the caller where that helps (``"SwiftSVDConfig.ratio"``).
-All failures raise :class:`ValueError` (a wrong *type* also raises ``ValueError``, as dataclass
-configs always have, so that one ``except ValueError`` catches every bad field).
+All failures raise :class:`ValueError`; a value of the wrong *type* raises :class:`FieldTypeError`, a
+``ValueError`` that is also a ``TypeError``, so that one ``except ValueError`` catches every bad field
+while code that expects a ``TypeError`` for a wrong type (as ``torch.optim`` callers do) keeps working.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any, Collection, TypeVar
 T = TypeVar("T")
 
 __all__ = [
+    "FieldTypeError",
     "check_int",
     "check_number",
     "check_positive",
@@ -27,6 +29,10 @@ __all__ = [
     "check_bool",
     "check_str",
 ]
+
+
+class FieldTypeError(ValueError, TypeError):
+    """A field whose value has the wrong type (a bool for an int, a string for a number, ...)."""
 
 
 def _range_text(lo: float | None, hi: float | None, low_open: bool, high_open: bool) -> str:
@@ -40,9 +46,9 @@ def _range_text(lo: float | None, hi: float | None, low_open: bool, high_open: b
     return " and ".join(parts)
 
 
-def _fail(field: str, what: str, value: Any, allow_none: bool) -> ValueError:
+def _fail(field: str, what: str, value: Any, allow_none: bool, wrong_type: bool = False) -> ValueError:
     none = " or None" if allow_none else ""
-    return ValueError(f"{field} must be {what}{none}, got {value!r}")
+    return (FieldTypeError if wrong_type else ValueError)(f"{field} must be {what}{none}, got {value!r}")
 
 
 def check_int(field: str, value: Any, lo: int | None = None, hi: int | None = None, *,
@@ -56,7 +62,7 @@ def check_int(field: str, value: Any, lo: int | None = None, hi: int | None = No
     rng = _range_text(lo, hi, False, False)
     what = f"an int {rng}".rstrip()
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise _fail(field, what, value, allow_none)
+        raise _fail(field, what, value, allow_none, wrong_type=True)
     v = int(value)
     if (lo is not None and v < lo) or (hi is not None and v > hi):
         raise _fail(field, what, value, allow_none)
@@ -75,7 +81,7 @@ def check_number(field: str, value: Any, lo: float | None = None, hi: float | No
     rng = _range_text(lo, hi, low_open, high_open)
     what = f"a finite number {rng}".rstrip()
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise _fail(field, what, value, allow_none)
+        raise _fail(field, what, value, allow_none, wrong_type=True)
     v = float(value)
     if not math.isfinite(v):
         raise _fail(field, what, value, allow_none)
@@ -99,8 +105,8 @@ def check_unit(field: str, value: Any, *, low_open: bool = False, high_open: boo
     rng = f"{'(' if low_open else '['}0, 1{')' if high_open else ']'}"
     try:
         return check_number(field, value, 0.0, 1.0, low_open=low_open, high_open=high_open)
-    except ValueError:
-        raise _fail(field, f"a number in {rng}", value, allow_none) from None
+    except ValueError as e:
+        raise _fail(field, f"a number in {rng}", value, allow_none, isinstance(e, FieldTypeError)) from None
 
 
 def check_choice(field: str, value: Any, choices: Collection[T], *, allow_none: bool = False) -> T | None:
@@ -120,7 +126,7 @@ def check_choice(field: str, value: Any, choices: Collection[T], *, allow_none: 
 def check_bool(field: str, value: Any) -> bool:
     """A real ``bool`` (``0``/``1`` and strings are refused)."""
     if not isinstance(value, bool):
-        raise _fail(field, "True or False", value, False)
+        raise _fail(field, "True or False", value, False, wrong_type=True)
     return value
 
 
@@ -129,5 +135,6 @@ def check_str(field: str, value: Any, *, allow_empty: bool = False, allow_none: 
     if value is None and allow_none:
         return None
     if not isinstance(value, str) or (not allow_empty and not value):
-        raise _fail(field, "a non-empty string" if not allow_empty else "a string", value, allow_none)
+        raise _fail(field, "a non-empty string" if not allow_empty else "a string", value, allow_none,
+                    wrong_type=not isinstance(value, str))
     return value

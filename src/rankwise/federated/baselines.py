@@ -24,10 +24,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from rankwise.federated.common import WIRE_DTYPE
+from rankwise.federated.common import HEAD_PREFIX, WIRE_DTYPE
+from rankwise.federated.config import FederatedConfig
+from rankwise.federated.registry import register_method
 from rankwise.federated.strategy import ClientUpdate, LoRAStrategyLogic, flower_class
 
-__all__ = ["FedAvgLoRALogic", "FlexLoRALogic", "HetLoRALogic", "svd_factors", "truncated_factors"]
+__all__ = ["FedAvgLoRALogic", "FlexLoRALogic", "HetLoRALogic", "product_contributions", "svd_factors",
+           "truncated_factors"]
 
 
 class FedAvgLoRALogic(LoRAStrategyLogic):
@@ -51,6 +54,15 @@ class FedAvgLoRALogic(LoRAStrategyLogic):
             return
         for n, a in zip(list(self.tensors), parameters_to_ndarrays(params)):
             self.tensors[n].copy_(torch.from_numpy(np.asarray(a)).to(torch.float32))
+
+
+def product_contributions(logic: LoRAStrategyLogic, updates: list[ClientUpdate]) -> list[dict[str, tuple[torch.Tensor, Any]]]:
+    """Each update's full-size ``B_i A_i`` per module (key ``product:<module>``) and head changes: the
+    aggregation space of the methods that average products (FlexLoRA, FLoRIST)."""
+    return [{**{f"product:{m}": (u.tensors[f"{m}.lora_B"].double() @ u.tensors[f"{m}.lora_A"].double(), None)
+                for m in logic.modules},
+             **{n: (u.tensors[n].double() - logic.tensors[n].double(), None) for n in logic.head_names()}}
+            for u in updates]
 
 
 def truncated_factors(A: torch.Tensor, B: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,13 +103,7 @@ class HetLoRALogic(LoRAStrategyLogic):
 
     def client_payload(self, rnd: int, pid: int) -> tuple[list[np.ndarray], list, dict[str, float]]:
         k = self.config.rank_of(pid)
-        arrays, layout = [], []
-        for m in self.modules:
-            a, b = truncated_factors(self.tensors[f"{m}.lora_A"], self.tensors[f"{m}.lora_B"], k)
-            arrays += [a.numpy().astype(WIRE_DTYPE), b.numpy().astype(WIRE_DTYPE)]
-            layout += [(f"{m}.lora_A", tuple(a.shape)), (f"{m}.lora_B", tuple(b.shape))]
-        h_arrays, h_layout = self._head_payload()
-        return arrays + h_arrays, layout + h_layout, {m: self.scaling for m in self.modules}
+        return self.factor_payload(lambda m, A, B: truncated_factors(A, B, k))
 
     def aggregate(self, rnd: int, updates: list[ClientUpdate]) -> None:
         w = self.weights(updates)
@@ -120,6 +126,31 @@ class HetLoRALogic(LoRAStrategyLogic):
         for n, d in self._head_average(updates, w).items():
             self.tensors[n].add_(d)
 
+    def contributions(self, rnd: int, updates: list[ClientUpdate]) -> list[dict[str, tuple[torch.Tensor, Any]]]:
+        """Each client's factors zero-padded to rank r, masked on its first k_i components; head changes.
+        (``norm_weighting`` applies to the mean only.)"""
+        out = []
+        for u in updates:
+            c: dict[str, tuple[torch.Tensor, Any]] = {}
+            for m in self.modules:
+                A, B = self.tensors[f"{m}.lora_A"], self.tensors[f"{m}.lora_B"]
+                a, b = u.tensors[f"{m}.lora_A"].double(), u.tensors[f"{m}.lora_B"].double()
+                pa, pb = torch.zeros(A.shape, dtype=torch.float64), torch.zeros(B.shape, dtype=torch.float64)
+                pa[: a.shape[0]], pb[:, : b.shape[1]] = a, b
+                rows = torch.arange(A.shape[0])[:, None] < a.shape[0]
+                c[f"{m}.lora_A"], c[f"{m}.lora_B"] = (pa, rows), (pb, rows.T)
+            for n in self.head_names():
+                c[n] = (u.tensors[n].double() - self.tensors[n].double(), None)
+            out.append(c)
+        return out
+
+    def apply_combined(self, rnd: int, combined: dict[str, torch.Tensor], updates: list[ClientUpdate]) -> None:
+        for n, t in combined.items():
+            if n.startswith(HEAD_PREFIX):
+                self.tensors[n].add_(t.float())
+            else:
+                self.tensors[n].copy_(t.float())
+
 
 class FlexLoRALogic(LoRAStrategyLogic):
     """FlexLoRA: SVD redistribution of the averaged full-size update ``sum_i w_i B_i A_i``."""
@@ -129,37 +160,51 @@ class FlexLoRALogic(LoRAStrategyLogic):
 
     def client_payload(self, rnd: int, pid: int) -> tuple[list[np.ndarray], list, dict[str, float]]:
         k = self.config.rank_of(pid)
-        arrays, layout = [], []
-        for m in self.modules:
-            A, B = self.tensors[f"{m}.lora_A"], self.tensors[f"{m}.lora_B"]
+
+        def factors(m: str, A: torch.Tensor, B: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             if bool((B == 0).all()) or bool((A == 0).all()):
-                a, b = truncated_factors(A, B, k)
-            else:
-                a, b = _product_svd_factors(A, B, k)
-            a, b = a.float(), b.float()
-            arrays += [a.numpy().astype(WIRE_DTYPE), b.numpy().astype(WIRE_DTYPE)]
-            layout += [(f"{m}.lora_A", tuple(a.shape)), (f"{m}.lora_B", tuple(b.shape))]
-        h_arrays, h_layout = self._head_payload()
-        return arrays + h_arrays, layout + h_layout, {m: self.scaling for m in self.modules}
+                return truncated_factors(A, B, k)
+            return _product_svd_factors(A, B, k)
+
+        return self.factor_payload(factors)
 
     def aggregate(self, rnd: int, updates: list[ClientUpdate]) -> None:
         w = self.weights(updates)
-        r = self.config.rank
+        products = {}
         for m in self.modules:
             A, B = self.tensors[f"{m}.lora_A"], self.tensors[f"{m}.lora_B"]
             M = torch.zeros(B.shape[0], A.shape[1], dtype=torch.float64)
             for u, wi in zip(updates, w):
                 M += wi * (u.tensors[f"{m}.lora_B"].double() @ u.tensors[f"{m}.lora_A"].double())
+            products[m] = M
+        self.set_from_products(products)
+        for n, d in self._head_average(updates, w).items():
+            self.tensors[n].add_(d)
+
+    def set_from_products(self, products: dict[str, torch.Tensor]) -> None:
+        """The global factors of each module from the averaged full-size update: its rank-r truncated SVD."""
+        r = self.config.rank
+        for m, M in products.items():
+            A, B = self.tensors[f"{m}.lora_A"], self.tensors[f"{m}.lora_B"]
             a, b = svd_factors(M, r)
             A.zero_()
             B.zero_()
             A[: a.shape[0]] = a.float()
             B[:, : b.shape[1]] = b.float()
-        for n, d in self._head_average(updates, w).items():
-            self.tensors[n].add_(d)
+
+    def contributions(self, rnd: int, updates: list[ClientUpdate]) -> list[dict[str, tuple[torch.Tensor, Any]]]:
+        """Each client's full-size update ``B_i A_i`` per module (key ``product:<module>``); head changes."""
+        return product_contributions(self, updates)
+
+    def apply_combined(self, rnd: int, combined: dict[str, torch.Tensor], updates: list[ClientUpdate]) -> None:
+        self.set_from_products({k[len("product:"):]: t for k, t in combined.items() if k.startswith("product:")})
+        for n in self.head_names():
+            self.tensors[n].add_(combined[n].float())
 
 
 _NAMES = {"FedAvgLoRAStrategy": FedAvgLoRALogic, "HetLoRAStrategy": HetLoRALogic, "FlexLoRAStrategy": FlexLoRALogic}
+for _name, _logic in _NAMES.items():
+    register_method(_logic.method, _logic, _name, config=FederatedConfig)
 
 
 def __getattr__(name: str) -> Any:

@@ -20,7 +20,7 @@ import json
 import logging
 import time
 import weakref
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import torch
@@ -30,11 +30,12 @@ from rankwise.core.lora import AdapterState, lora_layers, set_state
 from rankwise.federated.common import HEAD_PREFIX, WIRE_DTYPE, check_update, decode_layout, derive_seed
 from rankwise.federated.tasks import TensorData, resolve_task
 
-__all__ = ["FAULTS", "LoRAClient", "install", "local_train", "make_client_fn", "read_blocks"]
+__all__ = ["FAULTS", "LoRAClient", "install", "local_train", "make_client_fn", "read_blocks", "task_loss",
+           "train_steps"]
 
 log = logging.getLogger(__name__)
 ADAPTER = "default"
-FAULTS = ("raise", "sleep", "nan", "shape", "dtype")
+FAULTS = ("raise", "sleep", "nan", "inf", "shape", "dtype", "boost", "value", "examples")
 
 
 def install(base: nn.Module, arrays: list[np.ndarray], layout: list[tuple[str, tuple[int, ...]]],
@@ -87,12 +88,26 @@ def read_blocks(model: nn.Module, layout: list[tuple[str, tuple[int, ...]]]) -> 
     return out
 
 
-def local_train(model: nn.Module, data: TensorData, *, steps: int, batch_size: int, lr: float,
-                head_lr: float | None = None, weight_decay: float = 0.0, seed: int = 0) -> float:
-    """``steps`` AdamW steps of cross-entropy on mini-batches of ``data``; returns the mean training loss.
+def task_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy for classification (labels (B,)) or token prediction (labels (B, T), -100 ignored)."""
+    if labels.ndim == 1:
+        return nn.functional.cross_entropy(logits, labels)
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
 
-    Batches are epochs over ``data`` in orders drawn from ``Generator(seed)``; a client with fewer
-    than ``batch_size`` examples uses all of them each step. The model is left in eval mode.
+
+def train_steps(model: nn.Module, data: TensorData, *, steps: int, batch_size: int, lr: float,
+                head_lr: float | None = None, weight_decay: float = 0.0, seed: int = 0,
+                objective: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                after_backward: Callable[[], None] | None = None) -> float:
+    """The client loop every method shares: ``steps`` AdamW steps on mini-batches of ``data``.
+
+    The adapter factors train at ``lr``, the other trainable parameters (the head) at ``head_lr``
+    (None: ``lr``). Batches are epochs over ``data`` in orders drawn from ``Generator(seed)``; a client
+    with fewer than ``batch_size`` examples uses all of them each step. Each step computes the task
+    loss (:func:`task_loss`; a non-finite loss raises FloatingPointError), backpropagates
+    ``objective(loss)`` (None: the loss itself; a method adds its regularisers there), calls
+    ``after_backward()`` (a method may edit the gradients there) and steps. Returns the mean task
+    loss; the model is left in eval mode.
     """
     params = [p for p in model.parameters() if p.requires_grad]
     head_ids = {id(p) for n, p in model.named_parameters() if p.requires_grad and "lora_" not in n}
@@ -109,17 +124,26 @@ def local_train(model: nn.Module, data: TensorData, *, steps: int, batch_size: i
         if not order:
             perm = torch.randperm(n, generator=gen)
             order = [perm[s:s + bs] for s in range(0, n - bs + 1, bs)]
-        idx = order.pop(0)
-        inputs, y = data.select(idx)
-        loss = nn.functional.cross_entropy(model(**inputs), y)
+        inputs, y = data.select(order.pop(0))
+        loss = task_loss(model(**inputs), y)
         if not torch.isfinite(loss):
             raise FloatingPointError(f"local training loss is {float(loss)}")
+        total = loss if objective is None else objective(loss)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        total.backward()
+        if after_backward is not None:
+            after_backward()
         opt.step()
         losses.append(float(loss.detach()))
     model.eval()
     return float(np.mean(losses)) if losses else float("nan")
+
+
+def local_train(model: nn.Module, data: TensorData, *, steps: int, batch_size: int, lr: float,
+                head_lr: float | None = None, weight_decay: float = 0.0, seed: int = 0) -> float:
+    """The LoRA client's local training: :func:`train_steps` on the task loss alone; the mean training loss."""
+    return train_steps(model, data, steps=steps, batch_size=batch_size, lr=lr, head_lr=head_lr,
+                       weight_decay=weight_decay, seed=seed)
 
 
 def _flower_numpy_client() -> type:
@@ -149,31 +173,51 @@ class _ClientImpl:
         if fault.startswith("sleep"):
             time.sleep(float(fault.partition(":")[2] or 30))
         layout = decode_layout(config["layout"])
-        scaling = json.loads(config["scaling"])
-        base = _base_model(self.task)
-        model = install(base, parameters, layout, scaling)
+        model = install(_base_model(self.task), parameters, layout, json.loads(config["scaling"]))
         data = self.task.client_data(self.partition)
         torch_threads = int(config.get("torch-threads", 0))
         if torch_threads > 0:
             torch.set_num_threads(torch_threads)
+        loss, metrics = self.train(model, data, config,
+                                   seed=derive_seed(int(config["seed"]), "batches", int(config["round"]),
+                                                    self.partition))
+        out = _inject(fault, read_blocks(model, layout), parameters)
+        n = len(data)
+        if fault.startswith("examples:"):
+            n = int(float(fault.partition(":")[2]))
+        return out, n, {"loss": loss, "partition": self.partition, **metrics}
+
+    def train(self, model: nn.Module, data: TensorData, config: dict[str, Any], *,
+              seed: int) -> tuple[float, dict[str, Any]]:
+        """Local training of the installed ``model``: (mean loss, extra metrics). A method's client overrides it."""
         loss = local_train(model, data, steps=int(config["local-steps"]), batch_size=int(config["batch-size"]),
                            lr=float(config["lr"]), head_lr=float(config["head-lr"]),
-                           weight_decay=float(config.get("weight-decay", 0.0)),
-                           seed=derive_seed(int(config["seed"]), "batches", int(config["round"]), self.partition))
-        out = read_blocks(model, layout)
-        if fault == "nan":
-            out[0] = out[0].copy()
-            out[0].flat[0] = np.nan
-        elif fault == "shape":
-            out[0] = np.zeros((out[0].shape[0] + 1, *out[0].shape[1:]), WIRE_DTYPE)
-        elif fault == "dtype":
-            out[0] = out[0].astype(np.float64)
+                           weight_decay=float(config.get("weight-decay", 0.0)), seed=seed)
+        layout = decode_layout(config["layout"])
         ranks = [s[0] for n, s in layout if n.endswith(".lora_A")]
-        return out, len(data), {"loss": loss, "partition": self.partition,
-                                "rank": float(np.mean(ranks)) if ranks else 0.0}
+        return loss, {"rank": float(np.mean(ranks)) if ranks else 0.0}
 
     def evaluate(self, parameters: list[np.ndarray], config: dict[str, Any]) -> tuple[float, int, dict]:
         return float("nan"), 0, {}
+
+
+def _inject(fault: str, out: list[np.ndarray], sent: list[np.ndarray]) -> list[np.ndarray]:
+    """A malformed or malicious reply for robustness tests (see :func:`LoRAClient`'s ``faults``)."""
+    if fault in ("nan", "inf"):
+        out[0] = out[0].copy()
+        out[0].flat[0] = np.nan if fault == "nan" else np.inf
+    elif fault == "shape":
+        out[0] = np.zeros((out[0].shape[0] + 1, *out[0].shape[1:]), WIRE_DTYPE)
+    elif fault == "dtype":
+        out[0] = out[0].astype(np.float64)
+    elif fault.startswith("boost:"):  # model replacement: sent + factor x the honest change
+        factor = float(fault.partition(":")[2])
+        out = [(np.asarray(s, np.float64) + factor * (o.astype(np.float64) - np.asarray(s, np.float64)))
+               .astype(WIRE_DTYPE) for o, s in zip(out, sent)]
+    elif fault.startswith("value:"):  # every entry replaced by one value (e.g. 1e30)
+        v = float(fault.partition(":")[2])
+        out = [np.full(o.shape, v, WIRE_DTYPE) for o in out]
+    return out
 
 
 _BASES: "weakref.WeakKeyDictionary[Any, nn.Module]" = weakref.WeakKeyDictionary()
@@ -197,8 +241,10 @@ _CLIENT_CLS: list[type] = []
 def LoRAClient(task: Any, partition: int, faults: Mapping[int, str] | None = None) -> Any:
     """A Flower ``NumPyClient`` training LoRA blocks for ``partition`` of ``task``.
 
-    ``faults`` (testing robustness): ``{partition: "raise" | "sleep:<seconds>" | "nan" | "shape" | "dtype"}``
-    makes that client raise, stall, or return a malformed update.
+    ``faults`` (testing robustness): ``{partition: fault}`` makes that client misbehave: ``"raise"``,
+    ``"sleep:<seconds>"`` (stall), ``"nan"`` / ``"inf"`` / ``"shape"`` / ``"dtype"`` (a malformed reply),
+    ``"boost:<factor>"`` (reply ``sent + factor x`` its honest change), ``"value:<v>"`` (every entry
+    ``v``, e.g. 1e30) or ``"examples:<n>"`` (claim ``n`` examples).
     """
     if not _CLIENT_CLS:
         _CLIENT_CLS.append(type("LoRAClient", (_ClientImpl, _flower_numpy_client()), {}))
@@ -206,13 +252,15 @@ def LoRAClient(task: Any, partition: int, faults: Mapping[int, str] | None = Non
 
 
 def make_client_fn(task: str | Any = "synthetic", task_kwargs: Mapping[str, Any] | None = None,
-                   faults: Mapping[int, str] | None = None) -> Any:
+                   faults: Mapping[int, str] | None = None, *, client: Callable[..., Any] | None = None) -> Any:
     """A Flower ``client_fn(context) -> Client`` for ``task`` (a task object, or a name for :func:`resolve_task`).
 
     The partition comes from ``context.node_config["partition-id"]`` (set by the simulation engine, or
     ``--node-config "partition-id=0"`` on a SuperNode). Nothing heavy happens here: the task is built
-    lazily, once per process, on the first message.
+    lazily, once per process, on the first message. ``client(task, partition, faults)`` builds the
+    NumPyClient (default :func:`LoRAClient`; a method with its own local training passes its own).
     """
+    make = LoRAClient if client is None else client
     kwargs = dict(task_kwargs or {})
     faults = dict(faults or {})
 
@@ -222,6 +270,6 @@ def make_client_fn(task: str | Any = "synthetic", task_kwargs: Mapping[str, Any]
             raise ValueError("node_config lacks 'partition-id' (start the SuperNode with "
                              "--node-config \"partition-id=<i> num-partitions=<n>\")")
         t = resolve_task(task, kwargs)
-        return LoRAClient(t, int(pid), faults).to_client()
+        return make(t, int(pid), faults).to_client()
 
     return client_fn

@@ -28,11 +28,13 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+import rankwise.federated.registry as registry
 from rankwise.core.lora import AdapterState, add_lora, get_state, set_state
+from rankwise.core.validate import check_int
 from rankwise.federated.client import make_client_fn
 from rankwise.federated.common import derive_seed
-from rankwise.federated.config import FSLoRAConfig
-from rankwise.federated.strategy import CHECKPOINT, flower_class
+from rankwise.federated.config import FederatedConfig
+from rankwise.federated.strategy import CHECKPOINT
 from rankwise.federated.tasks import evaluate_model, resolve_task
 
 __all__ = ["METHODS", "RunSettings", "build_strategy", "initial_state", "make_client_app", "make_evaluate_fn",
@@ -43,54 +45,24 @@ METHODS = ("fslora", "fedavg", "hetlora", "flexlora")
 BACKENDS = ("inprocess", "flower")
 
 
-_REGISTRY: dict[str, tuple[Callable[[], type], str, Callable[..., Any] | None]] = {}
-
-
 def register_method(name: str, logic: Callable[[], type], class_name: str,
                     client_factory: Callable[..., Any] | None = None) -> None:
     """Make a federated method available to :func:`build_strategy`, :class:`RunSettings`, the apps and the CLI.
 
-    ``logic``: a zero-argument callable returning the strategy logic class (a
-    :class:`~rankwise.federated.strategy.LoRAStrategyLogic` subclass; lazy, so registering imports nothing);
-    ``client_factory(task, task_kwargs, faults) -> client_fn`` for methods whose clients differ from
-    the LoRA client (default: :func:`rankwise.federated.client.make_client_fn`).
+    Kept for compatibility: :func:`rankwise.federated.registry.register_method` is the family's
+    registry (with the method's default task and config). ``logic``: the strategy logic class or a
+    zero-argument callable returning it; ``client_factory(task, task_kwargs, faults) -> client_fn``
+    for clients that differ from the LoRA client.
     """
-    _REGISTRY[name] = (logic, class_name, client_factory)
-
-
-def _fslora() -> type:
-    from rankwise.federated.fslora import FSLoRALogic
-
-    return FSLoRALogic
-
-
-def _baseline(attr: str) -> Callable[[], type]:
-    def get() -> type:
-        from rankwise.federated import baselines
-
-        return getattr(baselines, attr)
-    return get
-
-
-register_method("fslora", _fslora, "FSLoRAStrategy")
-register_method("fedavg", _baseline("FedAvgLoRALogic"), "FedAvgLoRAStrategy")
-register_method("hetlora", _baseline("HetLoRALogic"), "HetLoRAStrategy")
-register_method("flexlora", _baseline("FlexLoRALogic"), "FlexLoRAStrategy")
+    registry.register_method(name, logic, class_name, client_factory=client_factory)
 
 
 def methods() -> tuple[str, ...]:
-    """The registered method names (built in: fslora, fedavg, hetlora, flexlora)."""
-    return tuple(_REGISTRY)
+    """The registered method names (built in: fslora, fedavg, hetlora, flexlora, and the SMoE methods)."""
+    return registry.names()
 
 
-def _logic(method: str) -> tuple[type, str]:
-    if method not in _REGISTRY:
-        raise ValueError(f"method must be one of {methods()}, got {method!r}")
-    logic, name, _ = _REGISTRY[method]
-    return logic(), name
-
-
-def initial_state(task: Any, config: FSLoRAConfig) -> tuple[AdapterState, dict[str, torch.Tensor]]:
+def initial_state(task: Any, config: FederatedConfig) -> tuple[AdapterState, dict[str, torch.Tensor]]:
     """The initial global adapter (rank r on ``config.target_modules`` or the task's targets; A
     kaiming-uniform from ``Generator(seed)``, B = 0) and the task model's head tensors.
 
@@ -133,23 +105,31 @@ def make_evaluate_fn(task: Any, batch_size: int = 256) -> Callable[[AdapterState
     return evaluate_fn
 
 
-def build_strategy(method: str, config: FSLoRAConfig, task: Any, *, num_clients: int | None = None,
+def build_strategy(method: str, config: FederatedConfig, task: Any, *, num_clients: int | None = None,
                    checkpoint_dir: str | Path | None = None, resume: str | Path | None = None,
                    evaluate: bool = True, on_round: Callable[[dict[str, Any]], None] | None = None,
                    **kwargs: Any) -> Any:
     """A Flower strategy for ``method`` on ``task`` (initial state from :func:`initial_state`).
 
     ``resume``: a checkpoint file (or a folder holding ``checkpoint.safetensors``) to continue from.
+    The strategy caps each client's claimed example count at what ``task.client_data`` gives it
+    (pass ``assigned_examples=None`` to cap relative to the round's claims instead).
     """
-    logic, name = _logic(method)
+    cls = registry.get(method).strategy_class()
     state, head = initial_state(task, config)
-    strategy = flower_class(logic, name)(config, state, head=head, num_clients=num_clients or task.num_clients,
+    kwargs.setdefault("assigned_examples", _assigned_counts(task))
+    strategy = cls(config, state, head=head, num_clients=num_clients or task.num_clients,
                                          evaluate_fn=make_evaluate_fn(task) if evaluate else None,
                                          checkpoint_dir=checkpoint_dir, on_round=on_round, **kwargs)
     if resume is not None:
         path = Path(resume)
         strategy.load_checkpoint(path / CHECKPOINT if path.is_dir() else path)
     return strategy
+
+
+def _assigned_counts(task: Any) -> Callable[[int], int]:
+    """How many examples ``task`` gives each client (the server caps claimed counts at it)."""
+    return lambda pid: len(task.client_data(pid))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -276,7 +256,7 @@ class RunSettings:
     """Everything a federated run needs, JSON-serialisable (it travels in the Flower run config).
 
     ``task``: "synthetic" or "package.module:factory"; ``task_kwargs`` its keyword arguments (the
-    number of clients is passed as ``num_clients``). ``config``: the :class:`FSLoRAConfig`.
+    number of clients is passed as ``num_clients``). ``config``: the :class:`FederatedConfig`.
     """
 
     method: str = "fslora"
@@ -284,19 +264,19 @@ class RunSettings:
     task_kwargs: dict[str, Any] = field(default_factory=dict)
     num_clients: int = 16
     rounds: int = 5
-    config: FSLoRAConfig = field(default_factory=FSLoRAConfig)
+    config: FederatedConfig = field(default_factory=FederatedConfig)
     checkpoint_dir: str | None = None
     resume: str | None = None
     round_timeout: float | None = None
     faults: dict[int, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.method not in _REGISTRY:
-            raise ValueError(f"method must be one of {methods()}, got {self.method!r}")
-        if not isinstance(self.num_clients, int) or isinstance(self.num_clients, bool) or self.num_clients < 1:
-            raise ValueError(f"num_clients must be an int >= 1, got {self.num_clients!r}")
-        if not isinstance(self.rounds, int) or isinstance(self.rounds, bool) or self.rounds < 1:
-            raise ValueError(f"rounds must be an int >= 1, got {self.rounds!r}")
+        registry.get(self.method)  # ValueError naming the registered methods
+        check_int("num_clients", self.num_clients, 1)
+        check_int("rounds", self.rounds, 1)
+        if self.config.clients_per_round > self.num_clients:
+            raise ValueError(f"config.clients_per_round must be at most num_clients={self.num_clients}, "
+                             f"got {self.config.clients_per_round}")
         if self.round_timeout is not None and not (isinstance(self.round_timeout, (int, float))
                                                    and self.round_timeout > 0):
             raise ValueError(f"round_timeout must be None or a number of seconds > 0, got {self.round_timeout!r}")
@@ -324,12 +304,10 @@ class RunSettings:
         if cfg.get("target_modules") is not None:
             cfg["target_modules"] = tuple(cfg["target_modules"])
         d["faults"] = {int(k): v for k, v in (d.get("faults") or {}).items()}
-        config_cls = FSLoRAConfig
-        base_fields = {f.name for f in dataclasses.fields(FSLoRAConfig)}
-        if set(cfg) - base_fields:  # a subclass's extra fields (UB-SMoE's): rebuild that subclass
-            from rankwise.federated.ub_smoe import UBSMoEConfig
-
-            config_cls = UBSMoEConfig
+        config_cls: type = FederatedConfig
+        base_fields = {f.name for f in dataclasses.fields(FederatedConfig)}
+        if set(cfg) - base_fields:  # a subclass's extra fields (UB-SMoE's): rebuild the method's config class
+            config_cls = registry.get(d.get("method", "fslora")).config or FederatedConfig
             for k, v in list(cfg.items()):
                 if isinstance(v, list) and k not in ("client_ranks",):
                     cfg[k] = tuple(v)
@@ -352,7 +330,7 @@ def strategy_from_settings(settings: RunSettings, on_round: Callable[[dict[str, 
 def client_fn_from_settings(settings: RunSettings) -> Callable[[Any], Any]:
     kwargs = dict(settings.task_kwargs)
     kwargs.setdefault("num_clients", settings.num_clients)
-    factory = _REGISTRY[settings.method][2] or make_client_fn
+    factory = registry.get(settings.method).client_factory or make_client_fn
     return factory(settings.task, kwargs, settings.faults)
 
 
@@ -408,8 +386,3 @@ def run_simulation_settings(settings: RunSettings, backend: str = "flower",
     if "strategy" not in holder:
         raise RuntimeError("the Flower simulation ended without starting the server app")
     return holder["strategy"]
-
-
-# methods defined in their own modules register themselves on import; import them here so that every
-# process that resolves a method name (the CLI, the Ray workers, the deployed apps) knows them
-import rankwise.federated.ub_smoe  # noqa: E402,F401

@@ -2,7 +2,8 @@
 
 A task is any object with the attributes of :class:`FederatedTask`. The federated apps (simulation
 and deployment) name it by a string, so that a ClientApp process can rebuild it from its run
-configuration: ``"synthetic"`` (built in, :class:`SyntheticTask`) or ``"package.module:factory"``,
+configuration: ``"synthetic"`` / ``"synthetic-moe"`` (built in, :class:`SyntheticTask`,
+:class:`SyntheticMoETask`) or ``"package.module:factory"``,
 an importable callable ``factory(**task_kwargs) -> task``. Tasks are cached per process
 (:func:`resolve_task`), so a simulation actor or a SuperNode builds its task once.
 
@@ -25,8 +26,12 @@ import numpy as np
 import torch
 from torch import nn
 
+from rankwise.core.validate import check_int, check_number
+from rankwise.federated.moe import LoRAMoE
+
 __all__ = [
     "FederatedTask",
+    "SyntheticMoETask",
     "SyntheticTask",
     "TensorData",
     "dirichlet_partition",
@@ -159,7 +164,33 @@ class _MLP(nn.Module):
         return self.classifier(torch.tanh(self.fc2(torch.tanh(self.fc1(x)))))
 
 
-class SyntheticTask:
+class _TeacherStudentTask:
+    """What the synthetic tasks share: Gaussian inputs labelled by a teacher, a Dirichlet split, the accessors."""
+
+    num_clients: int
+
+    def _label(self, base: nn.Module, teacher: nn.Module, gen: torch.Generator, per_client: int, n_test: int,
+               d_in: int, dirichlet_alpha: float, seed: int) -> None:
+        self._state = base.state_dict()
+        n_train = per_client * self.num_clients
+        x = torch.randn(n_train + n_test, d_in, generator=gen)
+        with torch.no_grad():
+            y = teacher(x).argmax(-1)
+        self._train = TensorData({"x": x[:n_train]}, y[:n_train])
+        self._test = TensorData({"x": x[n_train:]}, y[n_train:])
+        self._parts = dirichlet_partition(y[:n_train], self.num_clients, dirichlet_alpha, seed, min_size=8)
+
+    def client_data(self, partition: int) -> TensorData:
+        if not 0 <= partition < self.num_clients:
+            raise ValueError(f"partition {partition} is outside 0..{self.num_clients - 1}")
+        idx = torch.as_tensor(self._parts[partition])
+        return TensorData({k: v[idx] for k, v in self._train.inputs.items()}, self._train.labels[idx])
+
+    def test_data(self) -> TensorData:
+        return self._test
+
+
+class SyntheticTask(_TeacherStudentTask):
     """A teacher-student classification task whose solution is a low-rank change of a frozen MLP.
 
     Base model ``x (B, d_in) -> fc1 -> tanh -> fc2 -> tanh -> classifier -> logits (B, C)`` with
@@ -177,8 +208,7 @@ class SyntheticTask:
                  seed: int = 0) -> None:
         for k, v in dict(num_clients=num_clients, per_client=per_client, n_test=n_test, d_in=d_in, hidden=hidden,
                          num_labels=num_labels, teacher_rank=teacher_rank).items():
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"SyntheticTask.{k} must be an int >= 1, got {v!r}")
+            check_int(f"SyntheticTask.{k}", v, 1)
         self.num_clients, self.seed = num_clients, seed
         self.d_in, self.hidden, self.num_labels = d_in, hidden, num_labels
         gen = torch.Generator().manual_seed(seed)
@@ -191,14 +221,7 @@ class SyntheticTask:
                 u = torch.randn(out_f, teacher_rank, generator=gen)
                 v = torch.randn(teacher_rank, in_f, generator=gen)
                 lin.weight.add_(1.5 * (u @ v) / math.sqrt(in_f * teacher_rank))
-        self._state = base.state_dict()
-        n_train = per_client * num_clients
-        x = torch.randn(n_train + n_test, d_in, generator=gen)
-        with torch.no_grad():
-            y = teacher(x).argmax(-1)
-        self._train = TensorData({"x": x[:n_train]}, y[:n_train])
-        self._test = TensorData({"x": x[n_train:]}, y[n_train:])
-        self._parts = dirichlet_partition(y[:n_train], num_clients, dirichlet_alpha, seed, min_size=8)
+        self._label(base, teacher, gen, per_client, n_test, d_in, dirichlet_alpha, seed)
 
     def _fresh(self, gen: torch.Generator) -> _MLP:
         m = _MLP(self.d_in, self.hidden, self.num_labels)
@@ -212,21 +235,90 @@ class SyntheticTask:
         m.load_state_dict(self._state)
         return m
 
-    def client_data(self, partition: int) -> TensorData:
-        if not 0 <= partition < self.num_clients:
-            raise ValueError(f"partition {partition} is outside 0..{self.num_clients - 1}")
-        idx = torch.as_tensor(self._parts[partition])
-        return TensorData({k: v[idx] for k, v in self._train.inputs.items()}, self._train.labels[idx])
 
-    def test_data(self) -> TensorData:
-        return self._test
+# ------------------------------------------------------------------------------------------------
+# a synthetic MoE task (tests, CLI smoke runs, users without a MoE model at hand)
+# ------------------------------------------------------------------------------------------------
+
+class _MoEClassifier(nn.Module):
+    def __init__(self, d_in: int, hidden: int, ffn: int, num_experts: int, top_k: int, num_layers: int,
+                 num_labels: int) -> None:
+        super().__init__()
+        self.embed = nn.Linear(d_in, hidden)
+        self.moe = nn.ModuleList(LoRAMoE(hidden, ffn, num_experts, top_k, router_bias=True) for _ in range(num_layers))
+        self.classifier = nn.Linear(hidden, num_labels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.embed(x))
+        for layer in self.moe:
+            h = h + layer(h)
+        return self.classifier(h)
+
+
+class SyntheticMoETask(_TeacherStudentTask):
+    """Teacher-student classification on a frozen random MoE (``x (B, d_in) -> logits (B, C)``).
+
+    The base is a seeded MoE classifier (``num_layers`` LoRAMoE layers with residuals); its router
+    carries a per-expert bias ``router_skew * linspace(1, -1, M)`` so that utilisation is imbalanced,
+    as in a pretrained MoE; expert weights are drawn ``expert_scale`` times larger than 1/sqrt(fan_in)
+    so that the MoE output, not the residual, decides the label. The teacher perturbs EVERY expert of
+    the base by its own rank-``teacher_rank`` change (times ``teacher_scale``), so a student that
+    leaves some experts untrained mislabels the tokens those experts receive. Labels are the
+    teacher's argmax at its full top-k; partitions are Dirichlet non-IID over labels. ``targets``:
+    all expert projections; ``head``: the classifier and every layer's phi.
+    """
+
+    name = "synthetic-moe"
+
+    def __init__(self, num_clients: int = 16, per_client: int = 64, n_test: int = 512, d_in: int = 16,
+                 hidden: int = 32, ffn: int = 32, num_experts: int = 8, top_k: int = 4, num_layers: int = 1,
+                 num_labels: int = 4, teacher_rank: int = 2, router_skew: float = 1.0, teacher_scale: float = 2.0,
+                 expert_scale: float = 3.0, dirichlet_alpha: float = 0.3, seed: int = 0) -> None:
+        for k, v in dict(num_clients=num_clients, per_client=per_client, n_test=n_test, d_in=d_in, hidden=hidden,
+                         ffn=ffn, num_experts=num_experts, top_k=top_k, num_layers=num_layers, num_labels=num_labels,
+                         teacher_rank=teacher_rank).items():
+            check_int(f"SyntheticMoETask.{k}", v, 1)
+        for k, v in dict(router_skew=router_skew, teacher_scale=teacher_scale, expert_scale=expert_scale).items():
+            check_number(f"SyntheticMoETask.{k}", v)
+        self.num_clients, self.seed, self.top_k = num_clients, seed, top_k
+        self.dims = (d_in, hidden, ffn, num_experts, top_k, num_layers, num_labels)
+        self.targets: tuple[str, ...] = (r"re:.*\.experts\.\d+\.w[123]",)
+        self.head: tuple[str, ...] = ("classifier.weight", "classifier.bias",
+                                      *(f"moe.{i}.phi" for i in range(num_layers)))
+        gen = torch.Generator().manual_seed(seed)
+        base = _MoEClassifier(*self.dims)
+        with torch.no_grad():
+            for name, p in base.named_parameters():
+                if name.endswith("phi"):
+                    continue
+                if name.endswith("router.bias"):
+                    p.copy_(float(router_skew) * torch.linspace(1.0, -1.0, num_experts))
+                    continue
+                scale = 2.0 if "router" in name else float(expert_scale) if "experts" in name else 1.0
+                p.copy_(scale * torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1]))
+        teacher = _MoEClassifier(*self.dims)
+        teacher.load_state_dict(base.state_dict())
+        with torch.no_grad():
+            for layer in teacher.moe:
+                for e in layer.experts:
+                    for lin in (e.w1, e.w3, e.w2):
+                        o, i = lin.weight.shape
+                        u = torch.randn(o, teacher_rank, generator=gen)
+                        v = torch.randn(teacher_rank, i, generator=gen)
+                        lin.weight.add_(float(teacher_scale) * (u @ v) / math.sqrt(i * teacher_rank))
+        self._label(base, teacher, gen, per_client, n_test, d_in, dirichlet_alpha, seed)
+
+    def build_model(self) -> nn.Module:
+        m = _MoEClassifier(*self.dims)
+        m.load_state_dict(self._state)
+        return m
 
 
 # ------------------------------------------------------------------------------------------------
 # resolving a task by name (process-level cache)
 # ------------------------------------------------------------------------------------------------
 
-BUILTIN: dict[str, Callable[..., Any]] = {"synthetic": SyntheticTask}
+BUILTIN: dict[str, Callable[..., Any]] = {"synthetic": SyntheticTask, "synthetic-moe": SyntheticMoETask}
 _CACHE: dict[str, Any] = {}
 _LOCK = threading.Lock()
 

@@ -80,8 +80,8 @@ class LoraSettings(Settings):
     model: str = setting("all-MiniLM-L6-v2", "the pretrained encoder (zoo.minilm_classifier)",
                          choices=("all-MiniLM-L6-v2",))
     task: str = setting("kind", "zoo text task (rankwise.zoo.text_task)")
-    max_train: int | None = setting(240, "training examples (cap // labels per class; None: all)", lo=1)
-    max_test: int | None = setting(120, "test examples (None: the whole test set)", lo=1)
+    n_train: int | None = setting(240, "training examples (n_train // labels per class; None: all)", lo=1)
+    n_test: int | None = setting(120, "test examples (None: the whole test set)", lo=1)
     steps: int | None = setting(None, "training steps (None: epochs over the training set)", lo=1)
     epochs: float = setting(2.0, "epochs over the training subset when steps is None", lo=0.0)
     batch_size: int = setting(8, "examples per step", lo=1)
@@ -96,10 +96,10 @@ class LoraSettings(Settings):
 
 
 SETTINGS: dict[str, LoraSettings] = {
-    # max_train / max_test cap the task (cap // 3 per class); epochs over the training subset
-    "smoke": LoraSettings(max_train=24, max_test=12, steps=3, epochs=1.0, batch_size=8, max_length=16),
+    # n_train / n_test cap the task (n // 3 per class); epochs over the training subset
+    "smoke": LoraSettings(n_train=24, n_test=12, steps=3, epochs=1.0, batch_size=8, max_length=16),
     "quick": LoraSettings(),
-    "full": LoraSettings(max_train=600, max_test=None, epochs=2.0, batch_size=8, max_length=64, head_only=True),
+    "full": LoraSettings(n_train=600, n_test=None, epochs=2.0, batch_size=8, max_length=64, head_only=True),
 }
 
 # tolerances / thresholds of the claims (stated before any run)
@@ -197,7 +197,7 @@ def _correct(ev: Any, test: list[tuple[str, int]]) -> list[float]:
 def _measure(seed: int, S: LoraSettings) -> dict[str, Any]:
     from rankwise import zoo
 
-    task = zoo.text_task(S.task, seed=seed, max_train=S.max_train, max_test=S.max_test)
+    task = zoo.text_task(S.task, seed=seed, max_train=S.n_train, max_test=S.n_test)
     base, tok = zoo.minilm_classifier(task.num_labels, seed=seed)
     common = dict(epochs=S.epochs, steps=S.steps, batch_size=S.batch_size, max_length=S.max_length, seed=seed)
     cfg_lora = FinetuneConfig(lr=S.lr_lora, **common)

@@ -35,10 +35,12 @@ import torch
 from torch import nn
 
 from rankwise.core.errors import NumericalError
+from rankwise.core.validate import check_bool, check_choice, check_int, check_number, check_positive, check_unit
 
 __all__ = [
     "Batch",
     "EvalResult",
+    "ExtraLoss",
     "FinetuneConfig",
     "FinetuneResult",
     "OptimizerFactory",
@@ -52,22 +54,11 @@ __all__ = [
 ]
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+#: ``extra_loss(model, batch, outputs, step) -> scalar tensor``: a term added to the cross-entropy of step
+#: ``step`` (0-based), after the forward pass that produced ``outputs`` (a method's auxiliary loss)
+ExtraLoss = Callable[[nn.Module, "Batch", Any, int], torch.Tensor]
 SCHEDULES = ("constant", "linear")
 LENGTH_WINDOW = 16  # batches per length-sorted window with group_by_length
-
-
-def _check_number(name: str, value: Any, low: float, high: float = math.inf, *, low_open: bool = False,
-                   allow_none: bool = False, integer: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    ok_type = isinstance(value, int) if integer else isinstance(value, (int, float))
-    if isinstance(value, bool) or not ok_type or not math.isfinite(float(value)) \
-            or value < low or (low_open and value == low) or value > high:
-        what = "an int" if integer else "a finite number"
-        lo = f"> {low}" if low_open else f">= {low}"
-        hi = "" if high == math.inf else f" and <= {high}"
-        raise ValueError(f"FinetuneConfig.{name} must be {what} {lo}{hi}{' or None' if allow_none else ''}, "
-                         f"got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -110,28 +101,23 @@ class FinetuneConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        _check_number("lr", self.lr, 0.0, low_open=True)
-        _check_number("epochs", self.epochs, 0.0, low_open=True)
-        _check_number("steps", self.steps, 1, integer=True, allow_none=True)
-        _check_number("batch_size", self.batch_size, 1, integer=True)
-        _check_number("max_length", self.max_length, 2, integer=True)
-        _check_number("weight_decay", self.weight_decay, 0.0)
-        if (not isinstance(self.betas, (tuple, list)) or len(self.betas) != 2
-                or not all(isinstance(b, (int, float)) and 0.0 <= b < 1.0 for b in self.betas)):
+        check_positive("FinetuneConfig.lr", self.lr)
+        check_positive("FinetuneConfig.epochs", self.epochs)
+        check_int("FinetuneConfig.steps", self.steps, 1, allow_none=True)
+        check_int("FinetuneConfig.batch_size", self.batch_size, 1)
+        check_int("FinetuneConfig.max_length", self.max_length, 2)
+        check_number("FinetuneConfig.weight_decay", self.weight_decay, 0.0)
+        if not isinstance(self.betas, (tuple, list)) or len(self.betas) != 2:
             raise ValueError(f"FinetuneConfig.betas must be two numbers in [0, 1), got {self.betas!r}")
-        object.__setattr__(self, "betas", (float(self.betas[0]), float(self.betas[1])))
-        _check_number("eps", self.eps, 0.0, low_open=True)
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"FinetuneConfig.schedule must be one of {SCHEDULES}, got {self.schedule!r}")
-        _check_number("warmup_ratio", self.warmup_ratio, 0.0, 1.0)
-        if self.warmup_ratio >= 1.0:
-            raise ValueError(f"FinetuneConfig.warmup_ratio must be in [0, 1), got {self.warmup_ratio!r}")
-        _check_number("grad_clip", self.grad_clip, 0.0, low_open=True, allow_none=True)
-        _check_number("eval_batch_size", self.eval_batch_size, 1, integer=True)
-        if not isinstance(self.group_by_length, bool):
-            raise ValueError(f"FinetuneConfig.group_by_length must be a bool, got {self.group_by_length!r}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise ValueError(f"FinetuneConfig.seed must be an int >= 0, got {self.seed!r}")
+        object.__setattr__(self, "betas", tuple(check_unit(f"FinetuneConfig.betas[{i}]", b, high_open=True)
+                                                for i, b in enumerate(self.betas)))
+        check_positive("FinetuneConfig.eps", self.eps)
+        check_choice("FinetuneConfig.schedule", self.schedule, SCHEDULES)
+        check_unit("FinetuneConfig.warmup_ratio", self.warmup_ratio, high_open=True)
+        check_positive("FinetuneConfig.grad_clip", self.grad_clip, allow_none=True)
+        check_int("FinetuneConfig.eval_batch_size", self.eval_batch_size, 1)
+        check_bool("FinetuneConfig.group_by_length", self.group_by_length)
+        check_int("FinetuneConfig.seed", self.seed, 0)
 
 
 @dataclass
@@ -304,17 +290,27 @@ class Trainer:
     ``f(params) -> Optimizer`` called with them, or None (``torch.optim.AdamW`` with ``config``'s lr,
     betas, eps and weight decay; its fused implementation when the parameters allow it). ``total_steps`` sizes the schedule (warm-up ``ceil(warmup_ratio * total_steps)``
     steps, then constant or linear decay to 0 at ``total_steps``).
+
+    ``extra_loss`` (default None: plain cross-entropy): ``f(model, batch, outputs, step) -> scalar`` added
+    to the cross-entropy of every step, called right after the forward pass (so it can read what the
+    forward recorded, e.g. routing weights); the logged loss is the sum, and ``extra_losses[i]`` the
+    term of step i.
     """
 
     def __init__(self, model: nn.Module, config: FinetuneConfig, total_steps: int,
-                 optimizer: torch.optim.Optimizer | OptimizerFactory | None = None) -> None:
+                 optimizer: torch.optim.Optimizer | OptimizerFactory | None = None,
+                 extra_loss: ExtraLoss | None = None) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         if not isinstance(config, FinetuneConfig):
             raise TypeError(f"config must be a FinetuneConfig, got {type(config).__name__}")
         if isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1:
             raise ValueError(f"total_steps must be an int >= 1, got {total_steps!r}")
+        if extra_loss is not None and not callable(extra_loss):
+            raise TypeError(f"extra_loss must be callable (model, batch, outputs, step) -> loss, "
+                            f"got {type(extra_loss).__name__}")
         self.model = model
+        self.extra_loss = extra_loss
         self.config = config
         self.total_steps = total_steps
         self.params = trainable_parameters(model)
@@ -355,13 +351,15 @@ class Trainer:
         self.losses: list[float] = []
         self.step_times: list[float] = []
         self.lrs: list[float] = []
+        self.extra_losses: list[float] = []
 
     @property
     def steps_done(self) -> int:
         return len(self.losses)
 
     def step(self, batch: Batch) -> float:
-        """One update on ``batch``; returns the batch's mean cross-entropy (before the update).
+        """One update on ``batch``; returns the batch's mean cross-entropy (before the update), plus
+        ``extra_loss`` when the trainer has one.
 
         Raises :class:`~rankwise.core.errors.NumericalError` on a non-finite loss (the parameters are
         not updated) and ``RuntimeError`` past ``total_steps``.
@@ -374,10 +372,18 @@ class Trainer:
         t0 = time.perf_counter()
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(self.step_seeds[i])
-            logits = _logits(self.model(**batch.inputs))
+            outputs = self.model(**batch.inputs)
+            logits = _logits(outputs)
             if i == 0:
                 _check_labels(logits, batch.labels)
             loss = nn.functional.cross_entropy(logits.float(), batch.labels)
+            extra = None
+            if self.extra_loss is not None:
+                extra = self.extra_loss(self.model, batch, outputs, i)
+                if not isinstance(extra, torch.Tensor) or extra.ndim != 0:
+                    shape = f" of shape {tuple(extra.shape)}" if isinstance(extra, torch.Tensor) else ""
+                    raise TypeError(f"extra_loss must return a scalar tensor, got {type(extra).__name__}{shape}")
+                loss = loss + extra.to(loss.dtype)
             if not torch.isfinite(loss):
                 self.optimizer.zero_grad(set_to_none=True)
                 lr = float(self.optimizer.param_groups[0]["lr"])
@@ -392,6 +398,8 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         dt = time.perf_counter() - t0
         value = float(loss.detach())
+        if extra is not None:
+            self.extra_losses.append(float(extra.detach()))
         self.losses.append(value)
         self.step_times.append(dt)
         return value
@@ -454,12 +462,14 @@ def evaluate(model: nn.Module, tokenizer: Any, data: Sequence[tuple[str, int]], 
 def finetune(model: nn.Module, tokenizer: Any, train: Sequence[tuple[str, int]],
              test: Sequence[tuple[str, int]] | None = None, config: FinetuneConfig | None = None,
              optimizer: torch.optim.Optimizer | OptimizerFactory | None = None,
-             callback: Callable[[int, float], None] | None = None) -> FinetuneResult:
+             callback: Callable[[int, float], None] | None = None,
+             extra_loss: ExtraLoss | None = None) -> FinetuneResult:
     """Fine-tune ``model`` (its trainable parameters) on ``train``; evaluate on ``test``.
 
     ``model(**tokenizer(texts))`` must return logits ``(batch, num_labels)`` (see the module
     docstring); labels are ints in ``[0, num_labels)``. ``optimizer`` as in :class:`Trainer`.
-    ``callback(step, loss)`` runs after each step. The model is left in the mode it was in.
+    ``callback(step, loss)`` runs after each step; ``extra_loss`` as in :class:`Trainer`. The model is
+    left in the mode it was in.
     """
     config = FinetuneConfig() if config is None else config
     if not isinstance(config, FinetuneConfig):
@@ -469,7 +479,7 @@ def finetune(model: nn.Module, tokenizer: Any, train: Sequence[tuple[str, int]],
     t0 = time.perf_counter()
     batches = make_batches(tokenizer, train, config)
     was_training = model.training
-    trainer = Trainer(model, config, len(batches), optimizer)
+    trainer = Trainer(model, config, len(batches), optimizer, extra_loss=extra_loss)
     try:
         for i, batch in enumerate(batches):
             loss = trainer.step(batch)

@@ -12,7 +12,8 @@ This is the library behind ``rankwise finetune``::
 passes one that knows the embedded MiniLM. The job never imports ``zoo`` or ``adapt``: the method is
 resolved through :mod:`rankwise.core.registry` (its config class, its ``adapt`` entry point and its
 :class:`~rankwise.core.adapters.AdapterMethod`, which declares what a run needs: calibration batches
-for ``adapt(..., calib=...)``, a per-step training hook such as DAF's re-allocation, the default learning
+for ``adapt(..., calib=...)``, a per-step training hook such as DAF's re-allocation, an auxiliary loss
+added to the cross-entropy such as mtLoRA's regularisers or LoRA-Mixer's routing loss, the default learning
 rate, whether LoRA factor-pair optimizers apply). There are no per-method branches here.
 
 The adapter is added with the method's paper defaults, overridden by ``job.rank`` (the config's
@@ -401,6 +402,7 @@ def run_finetune(job: FinetuneJob, data: FinetuneData, build_model: ModelBuilder
     for p in _head(model)[1].parameters():
         p.requires_grad_(True)
     step_hook = am.training_hook(model, config, calib, steps)
+    extra_loss = am.auxiliary_loss(model, config)
     head_ids = {id(p) for p in _head(model)[1].parameters()}
     trainable = [p for p in model.parameters() if p.requires_grad]
     n_trainable = sum(p.numel() for p in trainable)
@@ -412,7 +414,7 @@ def run_finetune(job: FinetuneJob, data: FinetuneData, build_model: ModelBuilder
         from rankwise.train.riemannian_lora import offset_init_
 
         offset_init_(model, seed=job.seed, std=OFFSET_STD)  # the lift needs full-rank factors (B = 0 at init)
-    trainer = Trainer(model, cfg, steps, _optimizer_factory(job, model, lr))
+    trainer = Trainer(model, cfg, steps, _optimizer_factory(job, model, lr), extra_loss=extra_loss)
     say(f"{job.method}: {n_adapter:,} adapter + {n_trainable - n_adapter:,} head parameters trained of "
         f"{total:,}; {len(train)} training / {len(test)} held-out examples from {source}; {steps} steps, lr {lr:g}")
     meta: dict[str, Any] = {

@@ -10,7 +10,7 @@ in (the reproductions take them from :mod:`rankwise.zoo`; a user passes their ow
   evaluation windows;
 * :func:`lr_factor` -- linear warm-up then cosine decay;
 * :func:`make_optimizer` -- the optimizers under comparison by name, all on the same parameter
-  split (:func:`~rankwise.train.racs.split_params_for_lowmem`: 2-D block weights vs embeddings /
+  split (:func:`~rankwise.train.lowmem_base.split_params_for_lowmem`: 2-D block weights vs embeddings /
   LM head / norms, which always get AdamW): ``adamw`` (``torch.optim.AdamW``), ``adafactor``
   (``torch.optim.Adafactor``), ``galore`` (``galore_torch.GaLoreAdamW``), ``racs``, ``alice``
   (rankwise), ``racs_port``, ``alice_port`` (pytorch-optimizer's ports);
@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from rankwise.core.errors import NumericalError, RankwiseError
-from rankwise.train.racs import optimizer_state_bytes, split_params_for_lowmem
+from rankwise.train.lowmem_base import optimizer_state_bytes, split_params_for_lowmem
 
 __all__ = [
     "OPTIMIZERS",
@@ -201,8 +201,7 @@ def make_optimizer(name: str, model: nn.Module, lr: float, other_lr: float | Non
         spec = [gal] + ([{"params": groups["other"], "lr": olr}] if groups["other"] else [])
         return GaLoreAdamW(spec, lr=lr, weight_decay=0.0, no_deprecation_warning=True, **hp)
     if name in ("racs", "alice"):
-        from rankwise.train.alice import Alice
-        from rankwise.train.racs import RACS
+        from rankwise.train.racs_alice import RACS, Alice
 
         spec = [{"params": groups["matrix"]}]
         if groups["other"]:

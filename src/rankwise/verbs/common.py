@@ -20,7 +20,7 @@ from typer.core import TyperCommand
 from rankwise.core.errors import RankwiseError, UnknownMethodError
 
 __all__ = [
-    "USER_ERRORS", "USAGE_EXIT", "Settings", "debug", "one_line", "settings", "console", "progress",
+    "USER_ERRORS", "USAGE_EXIT", "Settings", "debug", "one_line", "usage_line", "settings", "console", "progress",
     "MultiValueCommand", "expand_multi", "parse_mode", "parse_seeds", "SMOKE", "QUICK", "FULL", "SEEDS",
     "NO_CACHE",
 ]
@@ -42,6 +42,53 @@ def one_line(e: BaseException) -> str:
     """An exception as one line (its message with white space folded, or its type name)."""
     msg = " ".join(str(e).split())
     return msg or type(e).__name__
+
+
+def _hint(e: click.BadParameter) -> str | None:
+    if e.param_hint is not None:
+        h = e.param_hint
+        return h if isinstance(h, str) else " / ".join(h)
+    p = e.param
+    if p is None:
+        return None
+    if isinstance(p, click.Option):
+        return " / ".join(p.opts)
+    return (p.human_readable_name or p.name or "").upper() or None
+
+
+def _first_sentence(text: str | None) -> str:
+    text = " ".join((text or "").split())
+    m = re.match(r"(.+?[.)])(\s|$)", text)
+    return (m.group(1) if m else text).rstrip(".")
+
+
+def usage_line(e: click.ClickException) -> str:
+    """A click/typer usage error as ``<option>: <message>``, one line (what ``rankwise: error:`` prints).
+
+    Conversion errors (``--ratio abc``) add what the option accepts (the first sentence of its help);
+    an unknown option or command adds the close matches, or the choices.
+    """
+    if isinstance(e, click.MissingParameter):
+        hint = _hint(e)
+        kind = e.param_type or (e.param.param_type_name if e.param is not None else "parameter")
+        return f"{hint}: missing; this {kind} is required" if hint else one_line(e)
+    if isinstance(e, click.BadParameter):
+        hint, msg = _hint(e), " ".join(e.message.split()).rstrip(".")
+        if isinstance(e.param, click.Option) and "is not a valid" in msg and e.param.help:
+            msg += f"; expected: {_first_sentence(e.param.help)}"
+        if not hint or msg.startswith(hint.split(" / ")[0]):
+            return msg
+        return f"{hint}: {msg}"
+    if isinstance(e, click.NoSuchOption):
+        close = f" (did you mean {' or '.join(e.possibilities)}?)" if e.possibilities else ""
+        where = f" of `{e.ctx.command_path}`" if e.ctx is not None else ""
+        return f"{e.option_name}: no such option{where}{close}"
+    if isinstance(e, click.BadOptionUsage):
+        msg = " ".join(e.message.split()).rstrip(".").replace(f"Option {e.option_name!r} ", "")
+        return f"{e.option_name}: {msg}"
+    if isinstance(e, click.UsageError):
+        return " ".join(e.format_message().split()).rstrip(".")
+    return one_line(e)
 
 
 # Options that take several values: `--seeds 0 1 2` is rewritten to `--seeds 0 --seeds 1 --seeds 2`
@@ -79,11 +126,45 @@ def expand_multi(args: Sequence[str]) -> list[str]:
     return out
 
 
+def _after_multi(args: Sequence[str]) -> list[tuple[str, str]]:
+    """``(option, token)`` for each non-option token right after the values of a multi-value option."""
+    out = []
+    for i, tok in enumerate(args):
+        if tok == "--":
+            break
+        if tok in _MULTI_VALUE and i + 1 < len(args):
+            j = i + 2
+            while j < len(args) and _MULTI_VALUE[tok](args[j]):
+                j += 1
+            if j < len(args) and not args[j].startswith("-"):
+                out.append((tok, args[j]))
+    return out
+
+
 class MultiValueCommand(TyperCommand):
-    """A command whose ``--seeds`` / ``--only`` options accept several values after one flag."""
+    """A command whose ``--seeds`` / ``--only`` options accept several values after one flag.
+
+    A first ``--seeds`` value that is not a seed is reported against ``--seeds``; so is a stray
+    token after the seeds that click would call an "unexpected extra argument" (``--seeds a b``).
+    """
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        return super().parse_args(ctx, expand_multi(args))
+        for i, tok in enumerate(args):
+            if tok == "--":
+                break
+            if tok == "--seeds" and i + 1 < len(args) and not args[i + 1].startswith("-") \
+                    and not _MULTI_VALUE[tok](args[i + 1]):
+                raise click.BadParameter(f"seeds are non-negative integers; got {args[i + 1]!r}",
+                                         ctx=ctx, param_hint="--seeds")
+        try:
+            return super().parse_args(ctx, expand_multi(args))
+        except click.UsageError as e:
+            stray = _after_multi(args)
+            if "unexpected extra argument" in e.message and stray:
+                opt, tok = stray[0]
+                what = "seeds are non-negative integers" if opt == "--seeds" else "not a value it takes"
+                raise click.BadParameter(f"{what}; got {tok!r}", ctx=ctx, param_hint=opt) from None
+            raise
 
 
 @dataclass

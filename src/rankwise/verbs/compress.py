@@ -40,26 +40,12 @@ def _resolve_method(name: str) -> str:
 
 
 def _load_model(d: Path) -> tuple[Any, Any]:
-    """A ``save_pretrained`` model directory with its tokenizer (a padding token is set when it has none)."""
-    import transformers
-    from transformers import AutoConfig, AutoTokenizer
-
+    """A model directory (dense or rankwise-compressed, checked) with its tokenizer (a padding token is set
+    when it has none)."""
+    from rankwise.compress.model_dir import load_model_dir
     from rankwise.core.errors import ArtifactError
-    from rankwise.zoo.models import quiet_transformers
 
-    if not d.is_dir() or not (d / "config.json").is_file():
-        raise ArtifactError(f"{d}: not a model directory (save_pretrained layout with config.json)")
-    cfg = AutoConfig.from_pretrained(str(d), local_files_only=True)
-    archs = getattr(cfg, "architectures", None) or []
-    cls = getattr(transformers, archs[0], None) if archs else None
-    if cls is None:
-        cls = transformers.AutoModel
-    with quiet_transformers():
-        model = cls.from_pretrained(str(d), local_files_only=True)
-    try:
-        tok = AutoTokenizer.from_pretrained(str(d), local_files_only=True)
-    except Exception as e:
-        raise ArtifactError(f"{d}: no tokenizer could be loaded ({e})") from None
+    model, tok = load_model_dir(d)  # weights complete, config and tokenizer checked, or one-line refusal
     if getattr(tok, "pad_token", None) is None:
         tok.pad_token = getattr(tok, "eos_token", None) or getattr(tok, "unk_token", None)
         if tok.pad_token is None:
@@ -119,6 +105,10 @@ def compress_command(
     check_int("n_eval", n_eval, 1)
     cfg = CompressConfig(method=name, ratio=ratio, allocation=allocation)
     notes: list[str] = []
+    if out is not None:  # an existing or unwritable --out fails now, not after the compression
+        from rankwise.compress.serialization import check_output_dir
+
+        check_output_dir(out, overwrite=overwrite)
 
     if model_dir is None:
         from rankwise import zoo

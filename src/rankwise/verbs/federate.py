@@ -5,24 +5,67 @@
                       [--task minilm|synthetic|synthetic-moe|pkg.module:factory] [--rank 16] [--client-ranks 2,4,8,16]
                       [--clients-per-round 5] [--local-steps 8] [--lr 5e-4] [--seed 0] [--resume]
                       [--backend flower|inprocess] [--round-timeout S]
+                      [--aggregation mean|median|trimmed|krum] [--max-update-norm-ratio 10|off]
+                      [--max-examples-ratio 10|off] [--no-health-check] [--max-loss-ratio 2]
+                      [--max-accuracy-drop 0.25|off]
 
 Prints one line per round (test accuracy and loss of the global adapter, mean client loss, bytes sent
 per client); with ``--out`` the server state is checkpointed there every round (``--resume``
 continues from it), and the final global adapter, the per-round history and the settings are saved.
+The server's defences (rankwise.federated.defences) are on by default. A bad option value is one line
+naming the option and its allowed values (exit status 2).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import typer
 
-TASKS = {"minilm": "rankwise.repro.fslora:minilm_task", "synthetic": "synthetic",
-         "synthetic-moe": "rankwise.federated.ub_smoe:SyntheticMoETask"}
-#: methods that train LoRA experts of a mixture-of-experts model: their default task has MoE layers
-MOE_METHODS = ("ub-smoe", "smoe-naive", "smoe-llb", "a3smoe")
+#: ``--task`` names; a method's default task (its registry entry's ``default_task``) is one of them
+TASKS = {"minilm": "rankwise.repro.fslora:minilm_task", "synthetic": "synthetic", "synthetic-moe": "synthetic-moe"}
+
+
+#: config fields and the options that set them (a config error names the option)
+OPTIONS = {"rank": "--rank", "alpha": "--alpha", "client_ranks": "--client-ranks", "clients_per_round":
+           "--clients-per-round", "local_steps": "--local-steps", "batch_size": "--batch-size", "client_lr": "--lr",
+           "head_lr": "--head-lr", "server_optimizer": "--server-optimizer", "server_lr": "--server-lr",
+           "weighting": "--weighting", "seed": "--seed", "aggregator": "--aggregation",
+           "trim_fraction": "--trim-fraction", "krum_byzantine": "--krum-byzantine",
+           "max_update_norm_ratio": "--max-update-norm-ratio", "max_examples_ratio": "--max-examples-ratio",
+           "max_loss_ratio": "--max-loss-ratio", "max_accuracy_drop": "--max-accuracy-drop"}
+
+
+def _bad(option: str, allowed: str, got: Any) -> None:
+    """A one-line user error (exit 2, through the app's error handler) naming the option and its allowed values."""
+    raise ValueError(f"{option} must be {allowed}, got {got!r}")
+
+
+@contextlib.contextmanager
+def _as_options() -> Iterator[None]:
+    """Re-word a config's ``FederatedConfig.<field> must be ...`` error with the option that set the field."""
+    try:
+        yield
+    except ValueError as e:
+        msg = str(e)
+        for fieldname, option in OPTIONS.items():
+            for prefix in (f"FederatedConfig.{fieldname}:", f"FederatedConfig.{fieldname} "):
+                if msg.startswith(prefix):
+                    raise ValueError(option + msg[len(prefix) - 1:]) from None
+        raise
+
+
+def _ratio(option: str, text: str, allowed: str = "a number >= 1 or off") -> float | None:
+    if text.strip().lower() in ("off", "none"):
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        _bad(option, allowed, text)
+        raise  # unreachable
 
 
 def _ranks(text: Optional[str], rank: int, clients: int) -> dict[int, int]:
@@ -32,9 +75,9 @@ def _ranks(text: Optional[str], rank: int, clients: int) -> dict[int, int]:
         try:
             cycle = [int(t) for t in text.replace(" ", "").split(",") if t]
         except ValueError:
-            raise typer.BadParameter(f"--client-ranks takes integers separated by commas, got {text!r}") from None
+            cycle = []
         if not cycle:
-            raise typer.BadParameter("--client-ranks is empty")
+            _bad("--client-ranks", "integers separated by commas, e.g. 2,4,8,16", text)
     return {i: cycle[i % len(cycle)] for i in range(clients)}
 
 
@@ -71,35 +114,64 @@ def register(app: typer.Typer) -> None:
         backend: str = typer.Option("flower", "--backend", help="flower (simulation engine, Ray) or inprocess."),
         round_timeout: Optional[float] = typer.Option(None, "--round-timeout", help="Seconds after which a "
                                                       "client's round counts as failed."),
+        aggregation: str = typer.Option("mean", "--aggregation", help="Server aggregation: mean (each method's "
+                                        "own average), median, trimmed (trimmed mean) or krum (Multi-Krum)."),
+        trim_fraction: float = typer.Option(0.2, "--trim-fraction", help="Fraction cut at each end by "
+                                            "--aggregation trimmed, in [0, 0.5)."),
+        krum_byzantine: int = typer.Option(1, "--krum-byzantine", help="Malicious clients per round that "
+                                           "--aggregation krum tolerates."),
+        max_update_norm_ratio: str = typer.Option("10", "--max-update-norm-ratio", help="Reject a client update "
+                                                  "larger than this times the round's median update (off: no "
+                                                  "bound)."),
+        max_examples_ratio: str = typer.Option("10", "--max-examples-ratio", help="Cap a claimed example count "
+                                               "at this times the round's median claim when the server does not "
+                                               "know the client's assigned count (off: no cap)."),
+        health_check: bool = typer.Option(True, "--health-check/--no-health-check", help="Refuse (roll back, do "
+                                          "not checkpoint) a round whose global model is not finite or whose "
+                                          "test loss exceeds --max-loss-ratio times the last accepted one or "
+                                          "whose accuracy drops by more than --max-accuracy-drop."),
+        max_loss_ratio: float = typer.Option(2.0, "--max-loss-ratio", help="Loss bound of the health check."),
+        max_accuracy_drop: str = typer.Option("0.25", "--max-accuracy-drop", help="Accuracy bound of the health "
+                                              "check: refuse a round whose test accuracy falls more than this "
+                                              "below the last accepted round's (off: no bound)."),
     ) -> None:
         """Federated LoRA fine-tuning with heterogeneous client ranks in Flower's simulation engine."""
         from rankwise.verbs import common
         from rankwise.core import io
-        from rankwise.federated import FSLoRAConfig
+        from rankwise.federated import FederatedConfig, registry
         from rankwise.federated.runner import RunSettings, methods, run_simulation_settings
 
-        if method not in methods():
-            raise typer.BadParameter(f"unknown method {method!r}; choose one of {', '.join(methods())}",
-                                     param_hint="--method")
+        names = methods()
+        if method not in names:
+            _bad("--method", f"one of {', '.join(names)}", method)
         if backend not in ("flower", "inprocess"):
-            raise typer.BadParameter(f"unknown backend {backend!r}; choose flower or inprocess", param_hint="--backend")
+            _bad("--backend", "flower or inprocess", backend)
         if clients < 1:
-            raise typer.BadParameter(f"--clients must be >= 1, got {clients}")
+            _bad("--clients", "an int >= 1", clients)
         if rounds < 1:
-            raise typer.BadParameter(f"--rounds must be >= 1, got {rounds}")
+            _bad("--rounds", "an int >= 1", rounds)
+        if not 1 <= per_round <= clients:
+            _bad("--clients-per-round", f"an int in [1, --clients={clients}]", per_round)
+        if round_timeout is not None and not round_timeout > 0:
+            _bad("--round-timeout", "a number of seconds > 0", round_timeout)
         if resume and out is None:
-            raise typer.BadParameter("--resume needs --out (the folder holding checkpoint.safetensors)")
+            raise ValueError("--resume needs --out (the folder holding checkpoint.safetensors)")
         if task is None:
-            task = "synthetic-moe" if method in MOE_METHODS else "minilm"
+            task = registry.get(method).default_task
         spec = TASKS.get(task, task)
         if spec not in TASKS.values() and ":" not in spec:
-            raise typer.BadParameter(f"unknown task {task!r}; choose minilm, synthetic, synthetic-moe or "
-                                     "pkg.module:factory",
-                                     param_hint="--task")
+            _bad("--task", "minilm, synthetic, synthetic-moe or pkg.module:factory", task)
         ranks = _ranks(client_ranks, rank, clients) if method != "fedavg" else {}
-        config = FSLoRAConfig(rank=rank, alpha=alpha, client_ranks=ranks, clients_per_round=per_round,
-                              local_steps=local_steps, batch_size=batch_size, client_lr=lr, head_lr=head_lr,
-                              server_optimizer=server_optimizer, server_lr=server_lr, weighting=weighting, seed=seed)
+        with _as_options():
+            config = FederatedConfig(
+                rank=rank, alpha=alpha, client_ranks=ranks, clients_per_round=per_round, local_steps=local_steps,
+                batch_size=batch_size, client_lr=lr, head_lr=head_lr, server_optimizer=server_optimizer,
+                server_lr=server_lr, weighting=weighting, seed=seed, aggregator=aggregation,
+                trim_fraction=trim_fraction, krum_byzantine=krum_byzantine,
+                max_update_norm_ratio=_ratio("--max-update-norm-ratio", max_update_norm_ratio),
+                max_examples_ratio=_ratio("--max-examples-ratio", max_examples_ratio), health_check=health_check,
+                max_loss_ratio=max_loss_ratio, max_accuracy_drop=_ratio("--max-accuracy-drop", max_accuracy_drop,
+                                                                        "a number in [0, 1] or off"))
         task_kwargs: dict[str, Any] = {"seed": seed, "dirichlet_alpha": dirichlet}
         ckpt = None
         if out is not None:
@@ -123,6 +195,10 @@ def register(app: typer.Typer) -> None:
             if row["round"] == 0:
                 console.print(f"round 0: accuracy {row.get('accuracy', float('nan')):.4f}  "
                               f"loss {row.get('loss', float('nan')):.4f}", markup=False)
+                return
+            if "refused" in row:
+                console.print(f"round {row['round']}: refused by the health check ({row['refused']}); the global "
+                              "model stays at the previous round's", markup=False, soft_wrap=True)
                 return
             console.print(f"round {row['round']}: accuracy {row.get('accuracy', float('nan')):.4f}  "
                           f"loss {row.get('loss', float('nan')):.4f}  client loss {row['train_loss']:.4f}  "

@@ -45,8 +45,12 @@ def read_jsonl(path: Path) -> list[tuple[str, Any]]:
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such data file")
     out: list[tuple[str, Any]] = []
-    with path.open(encoding="utf-8") as fh:
-        for no, line in enumerate(fh, 1):
+    with path.open("rb") as fh:
+        for no, raw in enumerate(fh, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{no}: not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1})") from None
             if not line.strip():
                 continue
             try:
@@ -102,17 +106,11 @@ def build_model(source: Optional[str], num_labels: int, seed: int) -> tuple[nn.M
         raise FileNotFoundError(f"--model {model_dir}: no such directory (expected a save_pretrained layout)")
     if not (model_dir / "config.json").is_file():
         raise ValueError(f"--model {model_dir}: no config.json (expected a save_pretrained layout)")
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    from rankwise.compress.model_dir import load_model_dir
 
-    from rankwise.zoo.models import quiet_transformers
-
-    with quiet_transformers():  # "some weights newly initialized" is the point here
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            # a head of another size than the data's labels is replaced by a new one (seeded)
-            model = AutoModelForSequenceClassification.from_pretrained(
-                str(model_dir), num_labels=num_labels, local_files_only=True, ignore_mismatched_sizes=True)
-        tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+    # dense or compressed; a head of another size than the data's labels is replaced by a new one (seeded);
+    # any other missing or unexpected weight, or a missing tokenizer, is refused
+    model, tokenizer = load_model_dir(model_dir, task="sequence-classification", num_labels=num_labels, seed=seed)
     if getattr(tokenizer, "pad_token", None) is None:
         if getattr(tokenizer, "eos_token", None) is None:
             raise ValueError(f"--model {model_dir}: the tokenizer has no pad and no eos token")

@@ -21,6 +21,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from rankwise.core.errors import ArtifactError, RankwiseError
+from rankwise.core.validate import check_int
 
 __all__ = [
     "MINILM_PACKAGE",
@@ -50,19 +51,11 @@ class MissingDependencyError(RankwiseError, ImportError):
 # helpers
 
 
-def _check_seed(seed: Any) -> int:
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise TypeError(f"seed must be an int, got {type(seed).__name__}")
-    if seed < 0:
-        raise ValueError(f"seed={seed} must be >= 0")
-    return seed
-
-
 @contextlib.contextmanager
 def seeded(seed: int) -> Iterator[None]:
     """Run a block under ``torch.manual_seed(seed)`` on a forked CPU RNG (the caller's state is restored)."""
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(_check_seed(seed))
+        torch.manual_seed(check_int("seed", seed, 0))
         yield
 
 
@@ -160,7 +153,7 @@ def minilm_classifier(num_labels: int, seed: int = 0) -> tuple[Any, Any]:
         raise TypeError(f"num_labels must be an int, got {type(num_labels).__name__}")
     if num_labels < 1:
         raise ValueError(f"num_labels={num_labels} must be >= 1")
-    _check_seed(seed)
+    check_int("seed", seed, 0)
     path = minilm_path()
     with quiet_transformers():
         model = BertForSequenceClassification.from_pretrained(

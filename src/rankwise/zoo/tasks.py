@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from rankwise.core.errors import RankwiseError
+from rankwise.core.validate import check_int
 from rankwise.zoo.docstrings import Document, corpus
 
 __all__ = ["MAX_CHARS", "TASKS", "TextTask", "UnknownTaskError", "snippet", "text_task", "text_tasks"]
@@ -181,16 +182,6 @@ def _check_name(name: str, known: list[str], what: str) -> None:
         raise UnknownTaskError(f"unknown {what} {name!r}{hint}; known: {', '.join(known)}")
 
 
-def _check_cap(value: int | None, field: str, n_classes: int) -> None:
-    if value is None:
-        return
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{field} must be an int or None, got {type(value).__name__}")
-    if value < n_classes:
-        raise ValueError(f"{field}={value} leaves no example per class; it must be >= {n_classes} "
-                         f"(the number of classes) or None")
-
-
 def _in_test(text: str) -> bool:
     return int.from_bytes(hashlib.sha256(text.encode("utf-8")).digest()[:8], "big") % 4 == 0
 
@@ -216,8 +207,9 @@ def text_task(name: str, seed: int = 0, max_train: int | None = None, max_test: 
         raise TypeError(f"seed must be an int, got {type(seed).__name__}")
     spec = TASKS[name]
     k = len(spec.labels)
-    _check_cap(max_train, "max_train", k)
-    _check_cap(max_test, "max_test", k)
+    # a cap below the number of classes k would leave a class without an example
+    check_int("max_train", max_train, k, allow_none=True)
+    check_int("max_test", max_test, k, allow_none=True)
 
     seen: set[str] = set()
     pools: dict[bool, list[list[str]]] = {False: [[] for _ in range(k)], True: [[] for _ in range(k)]}

@@ -20,8 +20,9 @@ from rankwise.adapt.cdka.functional import (
     num_parameters,
 )
 from rankwise.adapt.cdka.layer import CDKALinear
-from rankwise.core.adapters import AdapterMethod, default_loss
-from rankwise.core.errors import NumericalError, RankwiseError
+from rankwise.core.adapters import AdapterMethod
+from rankwise.core.calibration import default_loss, given_gradients, gradient_pass, mean_gradients  # noqa: F401 (default_loss re-exported)
+from rankwise.core.errors import RankwiseError
 from rankwise.core.registry import register
 from rankwise.core.select import Selector
 from rankwise.core.surgery import replace_module
@@ -66,67 +67,19 @@ def collect_gradients(model: nn.Module, layers: Sequence[tuple[str, nn.Module]],
     deterministic), with every CDKA adapter of the model switched off (``G`` belongs to the base
     model) and only the targeted base weights requiring gradients; the model's modes, flags and
     ``.grad`` fields are restored afterwards. An empty loader, a non-finite loss or gradient
-    (NumericalError) and an all-zero gradient (ValueError) are reported naming the layer.
+    (NumericalError) and an all-zero gradient (ValueError) are reported naming the layer. The pass is
+    :func:`rankwise.core.calibration.gradient_pass`.
     """
-    loss_fn = default_loss if loss_fn is None else loss_fn
-    if not callable(loss_fn):
-        raise TypeError(f"loss_fn must be callable (model, batch) -> loss, got {type(loss_fn).__name__}")
     if batches is None:
         raise ValueError("CDKA needs calibration batches (calib=...) to estimate the fine-tuning gradient")
-    weights = {n: _base_of(m).weight for n, m in layers}
-    flags = {id(p): p.requires_grad for p in model.parameters()}
-    grads_before = {n: w.grad for n, w in weights.items()}
-    modes = {m: m.training for m in model.modules()}
-    states = [(layer, layer.disabled, list(layer.merged_adapters)) for _, layer in cdka_layers(model)]
-    if any(merged for _, _, merged in states):
+    layers_now = [layer for _, layer in cdka_layers(model)]
+    if any(layer.merged_adapters for layer in layers_now):
         raise RankwiseError("unmerge the CDKA adapters before adding another one")
-    acc = {n: torch.zeros(w.shape, dtype=torch.float64, device=w.device) for n, w in weights.items()}
-    count = 0
-    try:
-        for p in model.parameters():
-            p.requires_grad_(False)
-        for w in weights.values():
-            w.requires_grad_(True)
-            w.grad = None
-        for layer, _, _ in states:
-            layer.disabled = True
-        model.eval()
-        for i, batch in enumerate(batches):
-            if i >= max_batches:
-                break
-            loss = loss_fn(model, batch)
-            if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
-                shape = f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else ""
-                raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}{shape}")
-            if not bool(torch.isfinite(loss)):
-                raise NumericalError(f"calibration loss is {float(loss)} on batch {i}; alignment is undefined")
-            loss.backward()
-            for n, w in weights.items():
-                if w.grad is not None:
-                    acc[n] += w.grad.to(torch.float64)
-                    w.grad = None
-            count += 1
-    finally:
-        for p in model.parameters():
-            p.requires_grad_(flags.get(id(p), p.requires_grad))
-        for n, w in weights.items():
-            w.grad = grads_before[n]
-        for layer, disabled, _ in states:
-            layer.disabled = disabled
-        for m, mode in modes.items():
-            m.training = mode
-    if count == 0:
-        raise ValueError("the calibration loader yielded no batch; CDKA needs at least one to estimate G")
-    out = {}
-    for n, g in acc.items():
-        g = g / count
-        if not bool(torch.isfinite(g).all()):
-            raise NumericalError(f"layer {n!r}: the calibration gradient holds NaN or inf")
-        if float(g.abs().max()) == 0.0:
-            raise ValueError(f"layer {n!r}: the calibration gradient is exactly zero (the loss does not depend "
-                             "on this layer, or the batches carry no signal); the alignment score is undefined")
-        out[n] = g
-    return out
+    weights = {n: _base_of(m).weight for n, m in layers}
+    sums, count = gradient_pass(model, weights, batches, loss_fn, max_batches=max_batches, disable=layers_now,
+                                needs="alignment is undefined", who="CDKA")
+    return mean_gradients(sums, count, who="CDKA", zero_hint="(the loss does not depend on this layer, or the "
+                          "batches carry no signal); the alignment score is undefined")
 
 
 def adapt(model: nn.Module, config: CDKAConfig | None = None, target: Selector = None, name: str = "default", *,
@@ -157,16 +110,7 @@ def adapt(model: nn.Module, config: CDKAConfig | None = None, target: Selector =
 
     grads: dict[str, torch.Tensor] = {}
     if gradients is not None:
-        missing = [n for n, _ in hits if n not in gradients]
-        if missing:
-            raise ValueError(f"gradients lacks layers {missing[:5]}")
-        for n, mod in hits:
-            g = gradients[n]
-            base = _base_of(mod)
-            if not isinstance(g, torch.Tensor) or tuple(g.shape) != (base.out_features, base.in_features):
-                raise ValueError(f"gradient for layer {n!r} must be a tensor of shape "
-                                 f"({base.out_features}, {base.in_features})")
-            grads[n] = g.detach().to(torch.float64)
+        grads = given_gradients(gradients, {n: (_base_of(m).out_features, _base_of(m).in_features) for n, m in hits})
     elif config.needs_gradient:
         grads = collect_gradients(model, hits, calib, loss_fn, config.calib_batches)
 

@@ -12,7 +12,8 @@ from torch import nn
 
 from rankwise.adapt.daf.config import LossFn
 from rankwise.adapt.daf.layer import DAFLinear
-from rankwise.core.adapters import adapted_layers, all_or_nothing, default_loss, require_adapter, sync_trainable
+from rankwise.core.adapters import adapted_layers, all_or_nothing, require_adapter, sync_trainable
+from rankwise.core.calibration import NonFiniteLoss, default_loss, gradient_pass  # noqa: F401 (default_loss re-exported)
 from rankwise.core.errors import RankwiseError, SelectionError
 
 
@@ -43,6 +44,11 @@ def take_batches(data: Iterable[Any] | None, n: int, what: str = "DAF analysis")
 # step 1: context-aware Taylor sensitivity
 # ------------------------------------------------------------------------------------------------
 
+def _taylor(grad: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``sum_i |g_i theta_i|`` of one matrix, formed in float64."""
+    return (grad.to(torch.float64) * weight.to(torch.float64)).abs().sum()
+
+
 def taylor_sensitivity(model: nn.Module, batches: Sequence[Any], loss_fn: LossFn | None = None, *,
                        name: str | None = None, layers: Sequence[tuple[str, nn.Module]] | None = None,
                        context: str = "current", seed: int = 0, train_mode: bool = True
@@ -57,13 +63,10 @@ def taylor_sensitivity(model: nn.Module, batches: Sequence[Any], loss_fn: LossFn
     ``"base"``: every DAF adapter switched off (round 0 of a new adapter). Products are formed and
     summed in float64 (AMP-safe). The RNG (dropout in train mode) is forked and seeded with ``seed``.
     Returns ``{layer name: S_j}`` (model order), or None after a warning when a loss is non-finite
-    (the official behaviour: the round is skipped).
+    (the official behaviour: the round is skipped). The pass is :func:`rankwise.core.calibration.gradient_pass`.
     """
     if context not in ("current", "base"):
         raise ValueError(f"context must be 'current' or 'base', got {context!r}")
-    loss_fn = default_loss if loss_fn is None else loss_fn
-    if not callable(loss_fn):
-        raise TypeError(f"loss_fn must be callable (model, batch) -> loss, got {type(loss_fn).__name__}")
     if layers is None:
         if name is None:
             raise ValueError("pass the adapter name or the candidate layers")
@@ -74,46 +77,13 @@ def taylor_sensitivity(model: nn.Module, batches: Sequence[Any], loss_fn: LossFn
     all_layers = adapted_layers(model, DAFLinear)
     if any(layer.merged_adapters for _, layer in all_layers):
         raise RankwiseError("unmerge the DAF adapters before a sensitivity analysis")
-    flags = {id(p): (p, p.requires_grad) for p in model.parameters()}
-    grads_before = {n: w.grad for n, w in weights.items()}
-    modes = {m: m.training for m in model.modules()}
-    disabled = [(layer, layer.disabled) for _, layer in all_layers]
-    acc = {n: torch.zeros((), dtype=torch.float64, device=w.device) for n, w in weights.items()}
     try:
-        for p in model.parameters():
-            p.requires_grad_(False)
-        for w in weights.values():
-            w.requires_grad_(True)
-            w.grad = None
-        if context == "base":
-            for layer, _ in disabled:
-                layer.disabled = True
-        model.train(train_mode)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            for i, batch in enumerate(batches):
-                loss = loss_fn(model, batch)
-                if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
-                    shape = f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else ""
-                    raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}{shape}")
-                if not bool(torch.isfinite(loss.detach())):
-                    warnings.warn(f"DAF sensitivity: the loss is {float(loss.detach())} on analysis batch {i}; "
-                                  "skipping this round (the allocation is kept)", stacklevel=2)
-                    return None
-                loss.float().backward()
-                for n, w in weights.items():
-                    if w.grad is not None:
-                        acc[n] += (w.grad.detach().to(torch.float64) * w.detach().to(torch.float64)).abs().sum()
-                        w.grad = None
-    finally:
-        for p, flag in flags.values():
-            p.requires_grad_(flag)
-        for n, w in weights.items():
-            w.grad = grads_before[n]
-        for layer, d in disabled:
-            layer.disabled = d
-        for m, mode in modes.items():
-            m.training = mode
+        acc, _ = gradient_pass(model, weights, batches, loss_fn, train=train_mode, seed=seed, reduce=_taylor,
+                               disable=[layer for _, layer in all_layers] if context == "base" else (), who="DAF")
+    except NonFiniteLoss as e:
+        warnings.warn(f"DAF sensitivity: the loss is {e.value} on analysis batch {e.batch}; "
+                      "skipping this round (the allocation is kept)", stacklevel=2)
+        return None
     out = {n: float(v) for n, v in acc.items()}
     bad = [n for n, v in out.items() if not math.isfinite(v)]
     if bad:

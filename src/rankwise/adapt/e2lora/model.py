@@ -15,7 +15,8 @@ from rankwise.adapt.e2lora.config import DEFAULT_DEPTH_REGEX, E2LoRAConfig, Loss
 from rankwise.adapt.e2lora.functional import adaptive_thresholds, allocate_ranks, partition, similarity_matrix
 from rankwise.adapt.e2lora.layer import E2LoRALinear, _Factor
 from rankwise.adapt.e2lora.plan import E2LoRAPlan, TypePlan
-from rankwise.core.adapters import AdapterMethod, default_loss
+from rankwise.core.adapters import AdapterMethod
+from rankwise.core.calibration import default_loss, given_gradients, gradient_pass, mean_gradients  # noqa: F401 (default_loss re-exported)
 from rankwise.core.errors import NumericalError
 from rankwise.core.registry import register
 from rankwise.core.select import Selector
@@ -140,72 +141,20 @@ def collect_gradients(model: nn.Module, layers: Sequence[tuple[str, nn.Module]],
     E²LoRA adapter switched off (the plan belongs to the pretrained model) and only the targeted weights
     requiring gradients; modes, flags and ``.grad`` fields are restored afterwards. An empty loader
     (ValueError), a non-finite loss or gradient (NumericalError) and an all-zero gradient (ValueError,
-    e.g. a frozen head or a detached graph) are reported naming the layer.
+    e.g. a frozen head or a detached graph) are reported naming the layer. The pass is
+    :func:`rankwise.core.calibration.gradient_pass`.
     """
-    loss_fn = default_loss if loss_fn is None else loss_fn
-    if not callable(loss_fn):
-        raise TypeError(f"loss_fn must be callable (model, batch) -> loss, got {type(loss_fn).__name__}")
     if batches is None:
         raise ValueError("E²LoRA needs calibration batches (calib=...) to compute the gradient proxy entropies, "
                          "or a precomputed plan=")
     if not _pos_int(n_batches):
         raise ValueError(f"n_batches must be an int >= 1, got {n_batches!r}")
     weights = {n: _base_of(m).weight for n, m in layers}
-    flags = {id(p): (p, p.requires_grad) for p in model.parameters()}
-    grads_before = {n: w.grad for n, w in weights.items()}
-    modes = {m: m.training for m in model.modules()}
-    states = [(layer, layer.disabled) for _, layer in e2lora_layers(model)]
-    acc = {n: torch.zeros(w.shape, dtype=torch.float64, device=w.device) for n, w in weights.items()}
-    count = 0
-    try:
-        for p, _ in flags.values():
-            p.requires_grad_(False)
-        for w in weights.values():
-            w.requires_grad_(True)
-            w.grad = None
-        for layer, _ in states:
-            layer.disabled = True
-        model.eval()
-        for i, batch in enumerate(batches):
-            if i >= n_batches:
-                break
-            loss = loss_fn(model, batch)
-            if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
-                shape = f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else ""
-                raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}{shape}")
-            if not bool(torch.isfinite(loss)):
-                raise NumericalError(f"calibration loss is {float(loss.detach())} on batch {i}; the entropies are "
-                                     "undefined")
-            if not loss.requires_grad:
-                raise ValueError("the calibration loss does not depend on the targeted weights (a detached graph or "
-                                 "no_grad); E²LoRA needs dL/dW of every targeted layer")
-            loss.backward()
-            for n, w in weights.items():
-                if w.grad is not None:
-                    acc[n] += w.grad.to(torch.float64)
-                    w.grad = None
-            count += 1
-    finally:
-        for p, flag in flags.values():
-            p.requires_grad_(flag)
-        for n, w in weights.items():
-            w.grad = grads_before[n]
-        for layer, disabled in states:
-            layer.disabled = disabled
-        for m, mode in modes.items():
-            m.training = mode
-    if count == 0:
-        raise ValueError("the calibration loader yielded no batch; E²LoRA needs at least one to compute G")
-    out = {}
-    for n, g in acc.items():
-        g = g / count
-        if not bool(torch.isfinite(g).all()):
-            raise NumericalError(f"layer {n!r}: the calibration gradient holds NaN or inf")
-        if float(g.abs().max()) == 0.0:
-            raise ValueError(f"layer {n!r}: the calibration gradient is exactly zero (sigma = 0, H = -inf): the loss "
-                             "does not depend on this layer (frozen or missing task head, detached graph?)")
-        out[n] = g
-    return out
+    sums, count = gradient_pass(model, weights, batches, loss_fn, max_batches=n_batches,
+                                disable=[layer for _, layer in e2lora_layers(model)],
+                                needs="the entropies are undefined", who="E²LoRA")
+    return mean_gradients(sums, count, who="E²LoRA", zero_hint="(sigma = 0, H = -inf): the loss does not depend on "
+                          "this layer (frozen or missing task head, detached graph?)")
 
 
 def _type_plan(key: str, names: list[str], shape: tuple[int, int], grads: Sequence[torch.Tensor],
@@ -257,20 +206,8 @@ def plan_e2lora(model: nn.Module, calib: Iterable[Any] | None, loss_fn: LossFn |
     hits = _target_layers(model, config.target if target is None else target)
     types = _types_of(hits, config)
     if gradients is not None:
-        grads = {}
-        mods = dict(hits)
-        for n, _ in hits:
-            g = gradients.get(n)
-            base = _base_of(mods[n])
-            if not isinstance(g, torch.Tensor) or tuple(g.shape) != (base.out_features, base.in_features):
-                raise ValueError(f"gradients[{n!r}] must be a tensor of shape "
-                                 f"({base.out_features}, {base.in_features})")
-            g = g.detach().to(torch.float64)
-            if not bool(torch.isfinite(g).all()):
-                raise NumericalError(f"layer {n!r}: the gradient holds NaN or inf")
-            if float(g.abs().max()) == 0.0:
-                raise ValueError(f"layer {n!r}: the gradient is exactly zero (sigma = 0, H = -inf)")
-            grads[n] = g
+        grads = given_gradients(gradients, {n: (_base_of(m).out_features, _base_of(m).in_features) for n, m in hits},
+                                check=True, zero_hint="(sigma = 0, H = -inf)")
     else:
         grads = collect_gradients(model, hits, calib, loss_fn, config.calib_batches)
     out: dict[str, TypePlan] = {}

@@ -56,6 +56,16 @@ class _LoRAMixerMethod(AdapterMethod):
     def sync_trainable(self, model: nn.Module, freeze_base: bool) -> None:
         _sync_trainable(model, freeze_base)
 
+    def auxiliary_loss(self, model: nn.Module, config: LoRAMixerConfig) -> Any:
+        """``L_RSL + L_preserve`` (Eq. 12 less the task loss) after each forward pass: :func:`rsl_loss` with the
+        batch's ``attention_mask`` (padding excluded) and :func:`preserve_loss` (0 unless experts were loaded)."""
+        def loss(m: nn.Module, batch: Any, outputs: Any, step: int) -> torch.Tensor:
+            inputs = getattr(batch, "inputs", batch)
+            mask = inputs.get("attention_mask") if isinstance(inputs, dict) else None
+            total = rsl_loss(m, mask)
+            return total + preserve_loss(m).to(total)
+        return loss
+
 
 _NO_MERGE = ("LoRA-Mixer adapters cannot be merged into the base weights: each token's update is a router-weighted "
              "(input-dependent) mixture of the experts, so no single weight matrix computes it. Keep the adapter as "

@@ -30,6 +30,12 @@ class _MtLoRAMethod(AdapterMethod):
     def prune(self, model: nn.Module) -> None:
         _prune(model)
 
+    def auxiliary_loss(self, model: nn.Module, config: MtLoRAConfig) -> Any:
+        """:func:`mtlora_regularizers` of the active adapters at each step (None when both weights are 0)."""
+        if config.balance_alpha == 0 and config.spectral_lambda == 0:
+            return None
+        return lambda m, batch, outputs, step: mtlora_regularizers(m, step)
+
 
 _NO_MERGE = ("mtLoRA adapters cannot be merged into the base weights: the expert mixture is weighted per token by "
              "the router (input dependent), and a block-level adapter reads the FFN's input and adds to its output "

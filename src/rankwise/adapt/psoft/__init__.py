@@ -42,6 +42,7 @@ Usage::
     adapt(model, PSOFTConfig(r=38))      # SVD per layer; q, alpha, beta trainable
     ...train...
     orthogonality_report(model)          # ||M^T M - I||_F per layer (drift from orthogonality)
+    check_neumann(model)                 # warn if the Neumann series is inaccurate (also on model.eval())
     merge(model)
 """
 
@@ -74,6 +75,7 @@ from rankwise.adapt.psoft.model import (  # noqa: F401
     adapt,
     adapter_names,
     apply_psoft,
+    check_neumann,
     delete_adapter,
     disable_adapters,
     enable_adapters,
@@ -98,6 +100,7 @@ __all__ = [
     "adapter_names",
     "apply_psoft",
     "cayley",
+    "check_neumann",
     "delete_adapter",
     "disable_adapters",
     "enable_adapters",

@@ -27,21 +27,26 @@ def skew_from_params(q: torch.Tensor, r: int) -> torch.Tensor:
     return L - L.T
 
 
-def cayley(Q: torch.Tensor, terms: int | None = 5, eps: float | None = None) -> torch.Tensor:
+def cayley(Q: torch.Tensor, terms: int | None = 5, eps: float | None = None, *, check: bool = True) -> torch.Tensor:
     """``R = (I - Q)(I + Q)^{-1}`` exactly (``terms=None``) or by the truncated Neumann series with ``terms`` terms.
 
     ``R_t = I + 2 sum_{k=1..t} (-Q)^k + (-Q)^{t+1}``; its error from the exact map is ``O(||Q||^{t+1})``
     for ``||Q|| < 1``. For skew ``Q`` the exact ``R`` is orthogonal. With ``eps`` (Neumann only), ``Q``
-    is first rescaled to Frobenius norm ``eps`` when it is larger.
+    is first rescaled to Frobenius norm ``eps`` when it is larger (decided on the device: no host sync).
+    ``check=False`` skips the exact solve's singularity check, which reads a result back to the host
+    (``I + Q`` is never singular for a skew ``Q``, so the layers' forward passes skip it).
     """
     r = Q.shape[-1]
     eye = torch.eye(r, dtype=Q.dtype, device=Q.device)
     if terms is None:
-        return torch.linalg.solve(eye + Q, eye - Q, left=False)
+        if check:
+            return torch.linalg.solve(eye + Q, eye - Q, left=False)
+        return torch.linalg.solve_ex(eye + Q, eye - Q, left=False, check_errors=False)[0]
     if eps is not None:
         norm = torch.linalg.matrix_norm(Q, "fro")
-        if bool(torch.isfinite(norm)) and float(norm) > eps:
-            Q = Q * (eps / (norm + 1e-12))
+        # Q * 1 is Q exactly, so the branch-free form gives the same values (and gradients) as an if
+        big = torch.isfinite(norm) & (norm.to(torch.float64) > eps)
+        Q = Q * torch.where(big, eps / (norm + 1e-12), torch.ones_like(norm))
     R = eye.clone()
     P = eye
     for _ in range(terms):

@@ -14,6 +14,11 @@ from rankwise.core.adapters import AdapterLayer, ArtifactContext, validate_adapt
 from rankwise.core.errors import RankwiseError
 
 
+#: run the Neumann-accuracy check (:meth:`_Core.check_neumann`, one host sync per adapter) in every
+#: forward pass until it warns, as before; for debugging (off: the check runs on ``eval()`` and merges)
+SYNC_CHECKS = False
+
+
 # ------------------------------------------------------------------------------------------------
 # the layer
 # ------------------------------------------------------------------------------------------------
@@ -47,22 +52,42 @@ class _Core(nn.Module):
         return None if self.q is None else skew_from_params(self.q, self.r)
 
     def rotation(self) -> torch.Tensor:
-        """``R`` (Cayley of ``Q``, or the free matrix without ``orth``)."""
+        """``R`` (Cayley of ``Q``, or the free matrix without ``orth``). No host synchronisation: the
+        Neumann-accuracy check runs off the forward path (:meth:`check_neumann`) unless
+        :data:`SYNC_CHECKS` is set."""
         if self.R is not None:
             return self.R
         Q = self.skew()
-        if self.cayley_mode == "neumann" and self.eps is None and not self._warned and self.r > 1:
-            with torch.no_grad():
-                if float(torch.linalg.matrix_norm(Q, "fro")) > NEUMANN_WARN_NORM:  # cheap bound first
-                    norm = float(torch.linalg.matrix_norm(Q.float(), 2))
-                    if norm > NEUMANN_WARN_NORM:
-                        self._warned = True
-                        warnings.warn(f"PSOFT: the spectral norm of Q is {norm:.3f} > {NEUMANN_WARN_NORM}; the "
-                                      "truncated Neumann series is inaccurate (and diverges at 1). Use "
-                                      "cayley='exact', more neumann_terms, or a smaller learning rate", stacklevel=4)
+        if SYNC_CHECKS:
+            self.check_neumann(Q, stacklevel=5)
         if self.cayley_mode == "exact":
-            return cayley(Q, None)
+            return cayley(Q, None, check=False)
         return cayley(Q, self.terms, self.eps)
+
+    def check_neumann(self, Q: torch.Tensor | None = None, stacklevel: int = 3) -> bool:
+        """Warn (once per adapter) when the truncated Neumann series is inaccurate: ``||Q||_2 > 0.9`` with
+        ``cayley="neumann"`` and no ``neumann_eps``. Reads the norm back to the host, so it runs when the
+        model is switched to eval mode, on :meth:`PSOFTLinear.delta_weight` (merge, reports) and from
+        :func:`~rankwise.adapt.psoft.check_neumann`, not in every forward. Returns whether it warned now."""
+        if self.q is None or self.cayley_mode != "neumann" or self.eps is not None or self._warned or self.r < 2:
+            return False
+        with torch.no_grad():
+            Q = (self.skew() if Q is None else Q).detach()
+            if float(torch.linalg.matrix_norm(Q, "fro")) <= NEUMANN_WARN_NORM:  # cheap bound first
+                return False
+            norm = float(torch.linalg.matrix_norm(Q.float(), 2))
+        if norm <= NEUMANN_WARN_NORM:
+            return False
+        self._warned = True
+        warnings.warn(f"PSOFT: the spectral norm of Q is {norm:.3f} > {NEUMANN_WARN_NORM}; the truncated Neumann "
+                      "series is inaccurate (and diverges at 1). Use cayley='exact', more neumann_terms, or a "
+                      "smaller learning rate", stacklevel=stacklevel)
+        return True
+
+    def train(self, mode: bool = True) -> "_Core":
+        if not mode and self.training:  # end of a training phase (evaluation follows): check once here
+            self.check_neumann(stacklevel=4)
+        return super().train(mode)
 
     def matrix(self) -> torch.Tensor:
         """``M = diag(beta) R diag(alpha)`` (``r x r``)."""
@@ -157,6 +182,7 @@ class PSOFTLinear(AdapterLayer):
         """``B (M - I) A``, shape ``(out, in)``, in ``dtype`` (default float32, or float64 for float64 factors)."""
         self._require(name)
         c = self.psoft[name]
+        c.check_neumann()
         dt = dtype or torch.promote_types(c.A.dtype, torch.float32)
         with torch.no_grad():
             M = c.matrix().to(dt)

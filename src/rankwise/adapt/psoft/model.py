@@ -133,4 +133,11 @@ def orthogonality_report(model: nn.Module, name: str | None = None) -> list[dict
     return rows
 
 
+def check_neumann(model: nn.Module) -> list[str]:
+    """Run every PSOFT adapter's Neumann-accuracy check now (one host read each; each adapter warns at most
+    once, as on ``model.eval()``); returns ``"layer/adapter"`` of those that warned now."""
+    return [f"{lname}/{n}" for lname, layer in psoft_layers(model) for n in layer.adapters
+            if layer.psoft[n].check_neumann()]
+
+
 register("psoft", config=PSOFTConfig, entry=adapt, adapter=PSOFT)

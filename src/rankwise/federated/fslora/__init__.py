@@ -19,7 +19,7 @@ A; J_i is sorted (so k_i = r gives S = I exactly and FSLoRA equals FedAvg-LoRA);
 
 API::
 
-    from rankwise.federated import FSLoRAConfig, FSLoRAStrategy, run_federated
+    from rankwise.federated import FederatedConfig, FSLoRAStrategy, run_federated
     strategy = FSLoRAStrategy(cfg, init_adapter, head=head, evaluate_fn=fn, num_clients=16)
     history = run_federated(strategy, client_fn, num_clients=16, rounds=30)     # in-process, or backend="flower"
     strategy.global_adapter.save("fslora.safetensors")
@@ -33,11 +33,12 @@ import numpy as np
 import torch
 
 from rankwise.core.registry import register
-from rankwise.federated.common import WIRE_DTYPE, derive_seed
-from rankwise.federated.config import FSLoRAConfig
+from rankwise.federated.common import derive_seed
+from rankwise.federated.config import FederatedConfig
+from rankwise.federated.registry import register_method
 from rankwise.federated.strategy import ClientUpdate, LoRAStrategyLogic, flower_class
 
-__all__ = ["FSLoRAConfig", "FSLoRALogic", "FSLoRAStrategy", "draw_indices", "scatter_delta", "sketch_matrix"]
+__all__ = ["FederatedConfig", "FSLoRALogic", "FSLoRAStrategy", "draw_indices", "scatter_delta", "sketch_matrix"]
 
 
 def draw_indices(r: int, k: int, rng: np.random.Generator) -> np.ndarray:
@@ -87,16 +88,9 @@ class FSLoRALogic(LoRAStrategyLogic):
 
     def client_payload(self, rnd: int, pid: int) -> tuple[list[np.ndarray], list, dict[str, float]]:
         J = self.sketch(rnd, pid)
-        arrays, layout, scaling = [], [], {}
-        for m in self.modules:
-            j = torch.as_tensor(J[m])
-            a = self.tensors[f"{m}.lora_A"][j]
-            b = self.tensors[f"{m}.lora_B"][:, j]
-            arrays += [a.numpy().astype(WIRE_DTYPE), b.numpy().astype(WIRE_DTYPE)]
-            layout += [(f"{m}.lora_A", tuple(a.shape)), (f"{m}.lora_B", tuple(b.shape))]
-            scaling[m] = self.config.alpha / len(J[m])  # (alpha / r) * (r / k): the sketch's scale
-        h_arrays, h_layout = self._head_payload()
-        return arrays + h_arrays, layout + h_layout, scaling
+        # (alpha / r) * (r / k): the sketch's scale
+        return self.factor_payload(lambda m, A, B: (A[torch.as_tensor(J[m])], B[:, torch.as_tensor(J[m])]),
+                                   {m: self.config.alpha / len(J[m]) for m in self.modules})
 
     def aggregate(self, rnd: int, updates: list[ClientUpdate]) -> None:
         w = self.weights(updates)
@@ -114,16 +108,42 @@ class FSLoRALogic(LoRAStrategyLogic):
         deltas.update(self._head_average(updates, w))
         self.apply_delta(deltas)
 
+    def contributions(self, rnd: int, updates: list[ClientUpdate]) -> list[dict[str, tuple[torch.Tensor, Any]]]:
+        """Each client's change scattered into rows (A) / columns (B) ``J_i``, masked there; head changes."""
+        out = []
+        for u in updates:
+            J = self.sketch(rnd, u.pid)
+            c: dict[str, tuple[torch.Tensor, Any]] = {}
+            for m in self.modules:
+                A, B = self.tensors[f"{m}.lora_A"], self.tensors[f"{m}.lora_B"]
+                j = torch.as_tensor(J[m])
+                dA = torch.zeros(A.shape, dtype=torch.float64)
+                dB = torch.zeros(B.shape, dtype=torch.float64)
+                dA[j] = u.tensors[f"{m}.lora_A"].double() - A[j].double()
+                dB[:, j] = u.tensors[f"{m}.lora_B"].double() - B[:, j].double()
+                rows = torch.zeros(A.shape[0], 1, dtype=torch.bool)
+                rows[j] = True
+                c[f"{m}.lora_A"], c[f"{m}.lora_B"] = (dA, rows), (dB, rows.T)
+            for n in self.head_names():
+                c[n] = (u.tensors[n].double() - self.tensors[n].double(), None)
+            out.append(c)
+        return out
+
 
 def __getattr__(name: str) -> Any:
     if name == "FSLoRAStrategy":
         return flower_class(FSLoRALogic, "FSLoRAStrategy")
+    if name == "FSLoRAConfig":  # deprecated alias of FederatedConfig (warns)
+        import rankwise.federated.config as config
+
+        return config.FSLoRAConfig
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def fslora_strategy(config: FSLoRAConfig, init_adapter: Any, **kwargs: Any) -> Any:
+def fslora_strategy(config: FederatedConfig, init_adapter: Any, **kwargs: Any) -> Any:
     """``FSLoRAStrategy(config, init_adapter, **kwargs)``: the registry's entry point (a Flower Strategy)."""
     return flower_class(FSLoRALogic, "FSLoRAStrategy")(config, init_adapter, **kwargs)
 
 
-register("fslora", config=FSLoRAConfig, entry=fslora_strategy)
+register_method("fslora", FSLoRALogic, "FSLoRAStrategy", config=FederatedConfig)
+register("fslora", config=FederatedConfig, entry=fslora_strategy)

@@ -28,23 +28,25 @@ Choices that the spec marks as "not from the paper" are listed in docs/methods/u
 
 API::
 
-    from rankwise.federated.ub_smoe import UBSMoEConfig, SyntheticMoETask, convert_to_lora_moe
+    from rankwise.federated.ub_smoe import UBSMoEConfig, SyntheticMoETask, convert_to_lora_moe, make_ub_smoe_client_fn
     from rankwise.federated.runner import build_strategy, run_federated
     task = SyntheticMoETask(num_clients=12)                  # or a task whose model holds LoRAMoE layers
     cfg = UBSMoEConfig(rank=4, client_budget={0: 0.25, 1: 0.5, 2: 1.0}, clients_per_round=4)
     strategy = build_strategy("ub-smoe", cfg, task)          # a flwr Strategy
     run_federated(strategy, make_ub_smoe_client_fn(task), task.num_clients, rounds=15)
+
+Layout: :mod:`.config` holds :class:`UBSMoEConfig`; the MoE layer (:class:`LoRAMoE`, the routing,
+Mixtral conversion) is the family module :mod:`rankwise.federated.moe` and the synthetic MoE task is
+in :mod:`rankwise.federated.tasks` (both re-exported here); the client loop is the family's
+(:func:`rankwise.federated.client.train_steps`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import math
 import re
-import time
-from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
@@ -53,207 +55,32 @@ from torch import nn
 
 from rankwise.core.errors import SelectionError
 from rankwise.core.registry import register
-from rankwise.core.surgery import replace_module
+from rankwise.federated.baselines import HetLoRALogic, product_contributions
+from rankwise.federated.client import _ClientImpl, make_client_fn, task_loss, train_steps
 from rankwise.federated.common import finite_number
-from rankwise.federated.config import FSLoRAConfig
+from rankwise.federated.config import FederatedConfig
+from rankwise.federated.moe import LoRAMoE, convert_to_lora_moe, modulated_routing, moe_layers, switch_aux_loss
+from rankwise.federated.registry import register_method
 from rankwise.federated.strategy import ClientUpdate, LoRAStrategyLogic, flower_class
-from rankwise.federated.tasks import TensorData, dirichlet_partition
+from rankwise.federated.tasks import SyntheticMoETask, TensorData
+from rankwise.federated.ub_smoe.config import AGGREGATIONS, DEFAULT_TIERS, PG_SCALES, UBSMoEConfig
 
 __all__ = [
+    "AGGREGATIONS", "DEFAULT_TIERS", "PG_SCALES",
     "A3SMoELogic", "FLoRISTLogic", "LoRAMoE", "NaiveSMoELogic", "SMoELLBLogic", "SyntheticMoETask", "UBSMoEConfig",
     "UBSMoELogic",
-    "apply_pseudo_gradient", "convert_to_lora_moe", "ffn_flops", "global_utilisation", "make_ub_smoe_client_fn",
-    "modulated_routing", "moe_layers", "phi_regulariser", "pg_factor", "switch_aux_loss", "target_modulation",
-    "ub_smoe_strategy", "update_phi", "utilisation_entropy",
+    "apply_pseudo_gradient", "client_routing", "convert_to_lora_moe", "ffn_flops", "global_utilisation",
+    "local_train_moe", "make_ub_smoe_client_fn", "modulated_routing", "moe_layers", "phi_regulariser", "pg_factor",
+    "switch_aux_loss", "target_modulation", "task_loss", "ub_smoe_strategy", "update_phi", "utilisation_entropy",
 ]
 
 log = logging.getLogger("rankwise.federated")
-PG_SCALES = ("sparsity", "inverse")
-AGGREGATIONS = ("fedavg", "activation")
-DEFAULT_TIERS = (0.25, 0.5, 0.75, 1.0)
 _EXPERT_RX = re.compile(r"^(?P<layer>.+)\.experts\.(?P<e>\d+)\.(?P<proj>[^.]+)$")
-
-
-# ------------------------------------------------------------------------------------------------
-# configuration
-# ------------------------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class UBSMoEConfig(FSLoRAConfig):
-    """UB-SMoE hyper-parameters (an :class:`FSLoRAConfig` so that it runs on the shared federated server).
-
-    Inherited fields keep their meaning (rank = the ONE common LoRA rank of every expert projection;
-    ``client_ranks`` is ignored: compute heterogeneity is K_c, not rank). Defaults: r = 8, alpha = 16,
-    AdamW lr 3e-4 without weight decay, H = 10 local steps, clients weighted by examples (p_c = n_c / sum n).
-
-    Attributes:
-        client_budget: ``{client id: beta_c in [0, 1]}``; ``K_c = floor(k_max * beta_c)`` must be >= 1.
-        budget_tiers: betas cycled over client ids for clients missing from ``client_budget``
-            (default: the four tiers 0.25, 0.5, 0.75, 1).
-        k_max: K_max (None: the model's own top-k).
-        candidate_factor: N_p = candidate_factor * K_max (K_max <= N_p <= M is checked against the model).
-        dmr: Dynamic Modulated Routing on/off (off: phi is neither used nor updated).
-        modulation_update: with dmr, the server moves phi toward the utilisation target phi~ (False: phi is
-            only trained locally and averaged; SMoE-LLB uses this to give its balancing loss a routing
-            parameter while the router stays frozen).
-        dmr_momentum: zeta in [0, 1) of ``phi <- zeta phi_bar + (1 - zeta) phi~``.
-        phi_range: (phi_min, phi_max) of the range regulariser; phi_reg: its lambda >= 0.
-        eps: epsilon of ``phi~ = tanh(u* / (u~ + eps) - 1)``.
-        pseudo_gradient: PG on/off; pg_scale: "sparsity" (rho = pg_coef (1 - K_c / M)) or "inverse"
-            (rho = pg_coef K_max / K_c); pg_coef >= 0.
-        aggregation: "fedavg" (p_c-weighted mean of every LoRA change) or "activation"
-            (FLAME/A3SMoE: expert i of layer l weighted by p_c a_{c,i}).
-        load_balance_coef: coefficient of a local Switch load-balancing loss (0: off; SMoE-LLB uses 0.01).
-        output_rescale: A3SMoE's gates ``p_i 1[i in A] K_max / K_c`` instead of renormalised gates.
-    """
-
-    rank: int = 8
-    alpha: float = 16.0
-    local_steps: int = 10
-    batch_size: int = 8
-    client_lr: float = 3e-4
-    weighting: str = "examples"
-    client_budget: Mapping[int, float] = field(default_factory=dict)
-    budget_tiers: tuple[float, ...] = DEFAULT_TIERS
-    k_max: int | None = None
-    candidate_factor: int = 2
-    dmr: bool = True
-    dmr_momentum: float = 0.9
-    modulation_update: bool = True
-    phi_range: tuple[float, float] = (-1.0, 1.0)
-    phi_reg: float = 0.1
-    eps: float = 1e-6
-    pseudo_gradient: bool = True
-    pg_scale: str = "sparsity"
-    pg_coef: float = 1.0
-    aggregation: str = "fedavg"
-    load_balance_coef: float = 0.0
-    output_rescale: bool = False
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not isinstance(self.client_budget, Mapping):
-            raise ValueError(f"UBSMoEConfig.client_budget must be a mapping {{client id: beta}}, "
-                             f"got {type(self.client_budget).__name__}")
-        budget: dict[int, float] = {}
-        for cid, b in self.client_budget.items():
-            if not isinstance(cid, int) or isinstance(cid, bool) or cid < 0:
-                raise ValueError(f"UBSMoEConfig.client_budget: client id {cid!r} must be an int >= 0")
-            if not finite_number(b) or not 0.0 <= float(b) <= 1.0:
-                raise ValueError(f"UBSMoEConfig.client_budget: client {cid} has budget {b!r}; beta must be in [0, 1]")
-            budget[cid] = float(b)
-        object.__setattr__(self, "client_budget", budget)
-        tiers = tuple(self.budget_tiers) if isinstance(self.budget_tiers, (tuple, list)) else None
-        if not tiers or not all(finite_number(b) and 0.0 <= float(b) <= 1.0 for b in tiers):
-            raise ValueError(f"UBSMoEConfig.budget_tiers must be a non-empty tuple of betas in [0, 1], "
-                             f"got {self.budget_tiers!r}")
-        object.__setattr__(self, "budget_tiers", tuple(float(b) for b in tiers))
-        if self.k_max is not None and (not isinstance(self.k_max, int) or isinstance(self.k_max, bool)
-                                       or self.k_max < 1):
-            raise ValueError(f"UBSMoEConfig.k_max must be None or an int >= 1, got {self.k_max!r}")
-        if self.k_max is not None:
-            for cid in sorted(budget):
-                self.k_of(cid, self.k_max)
-        if not isinstance(self.candidate_factor, int) or isinstance(self.candidate_factor, bool) \
-                or self.candidate_factor < 1:
-            raise ValueError(f"UBSMoEConfig.candidate_factor must be an int >= 1 (N_p = factor * K_max >= K_max), "
-                             f"got {self.candidate_factor!r}")
-        for name in ("dmr", "modulation_update", "pseudo_gradient", "output_rescale"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"UBSMoEConfig.{name} must be a bool, got {getattr(self, name)!r}")
-        if not finite_number(self.dmr_momentum) or not 0.0 <= float(self.dmr_momentum) < 1.0:
-            raise ValueError(f"UBSMoEConfig.dmr_momentum (zeta) must be in [0, 1), got {self.dmr_momentum!r}")
-        pr = self.phi_range
-        if (not isinstance(pr, (tuple, list)) or len(pr) != 2 or not all(finite_number(v) for v in pr)
-                or float(pr[0]) >= float(pr[1])):
-            raise ValueError(f"UBSMoEConfig.phi_range must be (phi_min, phi_max) with phi_min < phi_max, got {pr!r}")
-        object.__setattr__(self, "phi_range", (float(pr[0]), float(pr[1])))
-        for name in ("phi_reg", "pg_coef", "load_balance_coef"):
-            v = getattr(self, name)
-            if not finite_number(v) or float(v) < 0:
-                raise ValueError(f"UBSMoEConfig.{name} must be a finite number >= 0, got {v!r}")
-        if not finite_number(self.eps) or float(self.eps) <= 0:
-            raise ValueError(f"UBSMoEConfig.eps must be a finite number > 0, got {self.eps!r}")
-        if self.pg_scale not in PG_SCALES:
-            raise ValueError(f"UBSMoEConfig.pg_scale must be one of {PG_SCALES}, got {self.pg_scale!r}")
-        if self.aggregation not in AGGREGATIONS:
-            raise ValueError(f"UBSMoEConfig.aggregation must be one of {AGGREGATIONS}, got {self.aggregation!r}")
-
-    @classmethod
-    def from_base(cls, base: FSLoRAConfig, **overrides: Any) -> "UBSMoEConfig":
-        """A UBSMoEConfig carrying ``base``'s shared fields (rank, lrs, steps, sampling, seed) and UB-SMoE defaults."""
-        if isinstance(base, UBSMoEConfig):
-            return dataclasses.replace(base, **overrides) if overrides else base
-        shared = {f.name: getattr(base, f.name) for f in dataclasses.fields(FSLoRAConfig)}
-        return cls(**{**shared, **overrides})
-
-    def budget_of(self, client: int) -> float:
-        """beta_c: ``client_budget[client]``, else ``budget_tiers[client % len(budget_tiers)]``."""
-        if client in self.client_budget:
-            return self.client_budget[client]
-        return self.budget_tiers[client % len(self.budget_tiers)]
-
-    def k_of(self, client: int, k_max: int) -> int:
-        """K_c = floor(k_max * beta_c); ValueError naming the client if it is below 1."""
-        beta = self.budget_of(client)
-        k = int(math.floor(k_max * beta + 1e-9))
-        if k < 1:
-            raise ValueError(f"client {client}: budget beta={beta} gives K_c = floor({k_max} * {beta}) = {k} "
-                             f"active experts; it must be >= 1 (raise the budget or K_max)")
-        return min(k, k_max)
-
-    def check_model(self, num_experts: int, k_max: int, num_clients: int | None = None) -> None:
-        """Check N_p against (K_max, M) and K_c >= 1 for every known client (raises ValueError)."""
-        n_p = self.candidate_factor * k_max
-        if not k_max <= n_p <= num_experts:
-            raise ValueError(f"candidate set size N_p = candidate_factor {self.candidate_factor} x K_max {k_max} "
-                             f"= {n_p} must lie in [K_max={k_max}, M={num_experts}]")
-        if k_max > num_experts:
-            raise ValueError(f"k_max {k_max} exceeds the number of experts M = {num_experts}")
-        ids = set(self.client_budget) | set(range(num_clients or 0))
-        for cid in sorted(ids):
-            self.k_of(cid, k_max)
-
-    def to_json(self) -> dict[str, Any]:
-        d = super().to_json()
-        d["client_budget"] = {str(k): v for k, v in self.client_budget.items()}
-        d["budget_tiers"] = list(self.budget_tiers)
-        d["phi_range"] = list(self.phi_range)
-        return d
 
 
 # ------------------------------------------------------------------------------------------------
 # pure math (spec "Method")
 # ------------------------------------------------------------------------------------------------
-
-def modulated_routing(scores: torch.Tensor, phi: torch.Tensor | None, k: int, n_p: int,
-                      rescale_to: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """DMR routing of tokens (steps 1-3).
-
-    Args:
-        scores: raw router affinities ``s (T, M)``.
-        phi: modulation ``(M,)`` added to the candidates' logits, or None (plain Top-K routing).
-        k: K_c active experts per token; n_p: candidate set size N_p (``k <= n_p <= M``).
-        rescale_to: None (gates renormalised over the active set, sum 1) or K_max (A3SMoE/FLAME:
-            gates ``p_i K_max / K_c`` without renormalisation).
-    Returns:
-        ``gates (T, M)`` (zero outside the active set), ``active (T, M)`` bool, ``probs (T, M)`` = p.
-    """
-    t, m = scores.shape
-    if not 1 <= k <= n_p <= m:
-        raise ValueError(f"routing needs 1 <= K_c={k} <= N_p={n_p} <= M={m}")
-    cand = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, scores.topk(n_p, dim=1).indices, True)
-    logits = scores if phi is None else scores + phi.to(scores.dtype) * cand
-    probs = torch.softmax(logits, dim=-1)
-    pick = probs.detach().masked_fill(~cand, -1.0).topk(k, dim=1).indices
-    active = torch.zeros_like(cand).scatter_(1, pick, True)
-    masked = probs * active
-    if rescale_to is None:
-        gates = masked / masked.sum(-1, keepdim=True).clamp_min(1e-30)
-    else:
-        gates = masked * (float(rescale_to) / k)
-    return gates, active, probs
-
 
 def global_utilisation(counts: torch.Tensor | np.ndarray, tokens: Sequence[float], weights: Sequence[float],
                        ks: Sequence[int]) -> tuple[torch.Tensor, float]:
@@ -341,13 +168,6 @@ def apply_pseudo_gradient(expert_grads: Sequence[Sequence[torch.Tensor | None]],
                 expert_grads[i][t].add_((c * total[t]).to(expert_grads[i][t].dtype))
 
 
-def switch_aux_loss(active: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
-    """Switch load-balancing loss ``M sum_i f_i P_i`` (f_i: fraction of routed assignments, P_i: mean prob)."""
-    m = probs.shape[-1]
-    f = active.float().sum(0) / active.float().sum().clamp_min(1.0)
-    return m * (f * probs.mean(0)).sum()
-
-
 def utilisation_entropy(u: torch.Tensor) -> float:
     """``H(u / sum u) / log M`` in [0, 1] (1 = perfectly balanced experts)."""
     u = u.double().clamp_min(0)
@@ -362,151 +182,6 @@ def ffn_flops(hidden: int, ffn: int, num_experts: int, k: int, rank: int = 0, pr
     """Multiply-adds x 2 per token of one MoE FFN at K active experts: router + K SwiGLU experts (+ LoRA)."""
     expert = projections * hidden * ffn + projections * rank * (hidden + ffn)
     return 2 * (hidden * num_experts + k * expert)
-
-
-# ------------------------------------------------------------------------------------------------
-# the LoRA-MoE layer and surgery
-# ------------------------------------------------------------------------------------------------
-
-_ACTS = {"silu": nn.functional.silu, "gelu": nn.functional.gelu, "relu": nn.functional.relu}
-
-
-class _Expert(nn.Module):
-    """A SwiGLU expert ``w2(act(w1 x) * w3 x)``: w1, w3 ``(ffn, hidden)``, w2 ``(hidden, ffn)`` Linears."""
-
-    def __init__(self, hidden: int, ffn: int, act: str) -> None:
-        super().__init__()
-        self.w1 = nn.Linear(hidden, ffn, bias=False)
-        self.w3 = nn.Linear(hidden, ffn, bias=False)
-        self.w2 = nn.Linear(ffn, hidden, bias=False)
-        self.act = act
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(_ACTS[self.act](self.w1(x)) * self.w3(x))
-
-
-class LoRAMoE(nn.Module):
-    """A sparse MoE FFN with per-expert Linears (LoRA-able), DMR routing and routing statistics.
-
-    ``x (..., hidden) -> (..., hidden)``. Modules: ``router`` (Linear hidden -> M, no bias),
-    ``experts.<i>.w1|w3|w2``; parameter ``phi (M,)`` (the DMR modulation). Routing state set by the
-    client: ``k`` (K_c), ``k_max``, ``n_p``, ``dmr`` (use phi), ``rescale`` (A3SMoE gates).
-    While ``record`` is on, ``counts (M,)`` / ``tokens`` accumulate (float64) and each forward leaves
-    ``last`` = dict(pi (M,), used (M,), aux) for the pseudo-gradient and the load-balancing loss.
-    """
-
-    def __init__(self, hidden: int, ffn: int, num_experts: int, top_k: int, act: str = "silu",
-                 candidate_factor: int = 2, router_bias: bool = False) -> None:
-        super().__init__()
-        if act not in _ACTS:
-            raise ValueError(f"act must be one of {sorted(_ACTS)}, got {act!r}")
-        if not 1 <= top_k <= num_experts:
-            raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
-        self.hidden, self.ffn, self.num_experts = hidden, ffn, num_experts
-        self.router = nn.Linear(hidden, num_experts, bias=router_bias)
-        self.experts = nn.ModuleList(_Expert(hidden, ffn, act) for _ in range(num_experts))
-        self.phi = nn.Parameter(torch.zeros(num_experts))
-        self.k_max = self.k = top_k
-        self.n_p = min(num_experts, candidate_factor * top_k)
-        self.dmr = True
-        self.rescale = False
-        self.record = False
-        self.counts = torch.zeros(num_experts, dtype=torch.float64)
-        self.tokens = 0.0
-        self.last: dict[str, Any] = {}
-
-    def configure(self, *, k: int | None = None, n_p: int | None = None, dmr: bool | None = None,
-                  rescale: bool | None = None, record: bool | None = None) -> None:
-        k = self.k if k is None else int(k)
-        n_p = self.n_p if n_p is None else int(n_p)
-        if not 1 <= k <= self.k_max or not k <= n_p <= self.num_experts:
-            raise ValueError(f"need 1 <= K_c={k} <= K_max={self.k_max} and K_c <= N_p={n_p} <= M={self.num_experts}")
-        self.k, self.n_p = k, n_p
-        if dmr is not None:
-            self.dmr = bool(dmr)
-        if rescale is not None:
-            self.rescale = bool(rescale)
-        if record is not None:
-            self.record = bool(record)
-
-    def reset_stats(self) -> None:
-        self.counts = torch.zeros(self.num_experts, dtype=torch.float64)
-        self.tokens = 0.0
-        self.last = {}
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        h = x.reshape(-1, self.hidden)
-        scores = self.router(h).float()
-        gates, active, probs = modulated_routing(scores, self.phi if self.dmr else None, self.k, self.n_p,
-                                                 rescale_to=self.k_max if self.rescale else None)
-        out = torch.zeros_like(h)
-        used = active.any(0)
-        for i in used.nonzero().flatten().tolist():
-            idx = active[:, i].nonzero().flatten()
-            y = self.experts[i](h[idx]) * gates[idx, i, None].to(h.dtype)
-            out = out.index_add(0, idx, y)
-        if self.record:
-            with torch.no_grad():
-                self.counts += active.sum(0).double()
-                self.tokens += float(h.shape[0])
-            self.last = {"pi": ((~active) * probs.detach()).double().mean(0), "used": used,
-                         "aux": switch_aux_loss(active, probs)}
-        return out.reshape(shape)
-
-
-def moe_layers(model: nn.Module) -> list[tuple[str, LoRAMoE]]:
-    """The model's :class:`LoRAMoE` layers, in model order; SelectionError "no MoE layer found" if none."""
-    found = [(n, m) for n, m in model.named_modules() if isinstance(m, LoRAMoE)]
-    if not found:
-        raise SelectionError("no MoE layer found: the model has no LoRAMoE layer (convert a Mixtral-style model "
-                             "with convert_to_lora_moe first)")
-    return found
-
-
-def convert_to_lora_moe(model: nn.Module, *, candidate_factor: int = 2) -> nn.Module:
-    """Replace every Mixtral-style sparse MoE block (``gate.weight (M, H)``; fused ``experts.gate_up_proj
-    (M, 2I, H)`` and ``experts.down_proj (M, H, I)``, transformers 5) by an equivalent :class:`LoRAMoE` in place.
-
-    The converted layer routes exactly as Mixtral (softmax, Top-K, renormalised gates) while phi = 0 and
-    K_c = K_max; per-expert Linears ``experts.<i>.w1|w3|w2`` are then LoRA targets. Raises
-    SelectionError "no MoE layer found" when the model has none, ValueError on shapes that disagree.
-    """
-    plan = []
-    for name, mod in model.named_modules():
-        gate, experts = getattr(mod, "gate", None), getattr(mod, "experts", None)
-        if gate is None or experts is None or not hasattr(experts, "gate_up_proj"):
-            continue
-        if hasattr(mod, "shared_expert"):
-            raise ValueError(f"{name}: MoE blocks with a shared expert (Qwen2-MoE) are not supported")
-        w_r = gate.weight.detach()
-        gu, down = experts.gate_up_proj.detach(), experts.down_proj.detach()
-        m, hdim = w_r.shape
-        if gu.shape[0] != m or gu.shape[2] != hdim or gu.shape[1] % 2 or down.shape != (m, hdim, gu.shape[1] // 2):
-            raise ValueError(f"{name}: router {tuple(w_r.shape)} and experts gate_up {tuple(gu.shape)} / down "
-                             f"{tuple(down.shape)} do not agree")
-        top_k = int(getattr(gate, "top_k", getattr(mod, "top_k", 2)))
-        plan.append((name, m, hdim, gu.shape[1] // 2, top_k, w_r, gu, down, mod.training))
-    if not plan:
-        raise SelectionError("no MoE layer found: no module with a router 'gate' and fused 'experts' "
-                             "(gate_up_proj, down_proj) in this model")
-    act = "silu"
-    cfg = getattr(model, "config", None)
-    if cfg is not None and getattr(cfg, "hidden_act", "silu") in _ACTS:
-        act = cfg.hidden_act
-    for name, m, hdim, ffn, top_k, w_r, gu, down, training in plan:
-        layer = LoRAMoE(hdim, ffn, m, top_k, act=act, candidate_factor=candidate_factor)
-        with torch.no_grad():
-            layer.router.weight.copy_(w_r)
-            for i, e in enumerate(layer.experts):
-                e.w1.weight.copy_(gu[i, :ffn])
-                e.w3.weight.copy_(gu[i, ffn:])
-                e.w2.weight.copy_(down[i])
-        layer.to(w_r.dtype)
-        layer.phi.data = layer.phi.data.float()
-        layer.train(training)
-        replace_module(model, name, layer)
-    return model
 
 
 def _natural(name: str) -> list[Any]:
@@ -533,7 +208,7 @@ class UBSMoELogic(LoRAStrategyLogic):
     changes; DMR update of phi from the clients' expert counts.
 
     The global phi of layer ``l`` is the head tensor ``head:<l>.phi`` (so it is sent, averaged into
-    phi_bar and checkpointed with the rest). ``config`` may be a plain :class:`FSLoRAConfig` (the CLI);
+    phi_bar and checkpointed with the rest). ``config`` may be a plain :class:`FederatedConfig` (the CLI);
     it is then read as ``UBSMoEConfig.from_base(config)``. M is parsed from the adapter's module names
     ``<layer>.experts.<i>.<proj>``; ``k_max`` (argument, else ``config.k_max``) may stay None: each client
     then sends the budget beta_c and derives ``K_c = floor(K_max beta_c)`` from its model's top-k.
@@ -543,7 +218,7 @@ class UBSMoELogic(LoRAStrategyLogic):
     supports_server_optimizer = False
     variant: dict[str, Any] = {}
 
-    def __init__(self, config: FSLoRAConfig, init_adapter: Any, *, k_max: int | None = None, **kwargs: Any) -> None:
+    def __init__(self, config: FederatedConfig, init_adapter: Any, *, k_max: int | None = None, **kwargs: Any) -> None:
         super().__init__(config, init_adapter, **kwargs)
         self.ub = UBSMoEConfig.from_base(config, **self.variant)
         struct = _expert_structure(self.modules)
@@ -636,6 +311,17 @@ class UBSMoELogic(LoRAStrategyLogic):
             self.tensors[n].add_(d.float())
         for n, d in self._head_average(updates, w).items():
             self.tensors[n].add_(d)
+        self.update_routing(rnd, updates, w, stats)
+
+    def apply_combined(self, rnd: int, combined: dict[str, torch.Tensor], updates: list[ClientUpdate]) -> None:
+        """Robust aggregation: the combined changes of every tensor (phi_bar included), then the DMR update.
+        (``aggregation="activation"`` applies to the mean only.)"""
+        super().apply_combined(rnd, combined, updates)
+        self.update_routing(rnd, updates, self.weights(updates), [self.read_stats(u) for u in updates])
+
+    def update_routing(self, rnd: int, updates: list[ClientUpdate], w: list[float],
+                       stats: list[tuple[np.ndarray, np.ndarray, int] | None]) -> None:
+        """The DMR step from the clients' routing statistics: u~, phi~, ``phi <- zeta phi_bar + (1 - zeta) phi~``."""
         row: dict[str, Any] = {"k_per_client": {str(u.pid): s[2] for u, s in zip(updates, stats) if s is not None}}
         ents, phis = [], []
         ok = [(s, wi, s[2]) for s, wi in zip(stats, w) if s is not None]
@@ -663,7 +349,7 @@ class UBSMoELogic(LoRAStrategyLogic):
             for h in self.history:
                 if h["round"] == rnd:
                     h.update(extra)
-            self.save_checkpoint()
+            self.save_checkpoint()  # nothing is written after a refused round
         return out
 
 
@@ -715,41 +401,49 @@ class FLoRISTLogic(LoRAStrategyLogic):
         self.energy = float(energy)
         self.kept_ranks: dict[str, int] = {}
 
-    def client_payload(self, rnd: int, pid: int) -> tuple[list[np.ndarray], list, dict[str, float]]:
-        k = self.config.rank_of(pid)
-        arrays, layout = [], []
-        for m in self.modules:
-            a, b = self.tensors[f"{m}.lora_A"][:k].clone(), self.tensors[f"{m}.lora_B"][:, :k].clone()
-            arrays += [a.numpy().astype(np.float32), b.numpy().astype(np.float32)]
-            layout += [(f"{m}.lora_A", tuple(a.shape)), (f"{m}.lora_B", tuple(b.shape))]
-        h_arrays, h_layout = self._head_payload()
-        return arrays + h_arrays, layout + h_layout, {m: self.scaling for m in self.modules}
+    client_payload = HetLoRALogic.client_payload  # the first k_i components, as HetLoRA
 
     def aggregate(self, rnd: int, updates: list[ClientUpdate]) -> None:
         w = self.weights(updates)
-        r = self.config.rank
         for m in self.modules:
-            A, B = self.tensors[f"{m}.lora_A"], self.tensors[f"{m}.lora_B"]
             bs = torch.cat([wi * u.tensors[f"{m}.lora_B"].double() for u, wi in zip(updates, w)], dim=1)
             As = torch.cat([u.tensors[f"{m}.lora_A"].double() for u in updates], dim=0)
             qb, rb = torch.linalg.qr(bs)
             qa, ra = torch.linalg.qr(As.T)
-            u_, s_, vh = torch.linalg.svd(rb @ ra.T, full_matrices=False)
-            e = s_.pow(2)
-            total = float(e.sum())
-            if total <= 0:
-                j = 0
-            else:
-                frac = torch.cumsum(e, 0) / total
-                j = min(r, int((frac < self.energy - 1e-12).sum()) + 1)
-            root = s_[:j].clamp_min(0).sqrt()
-            A.zero_()
-            B.zero_()
-            A[:j] = ((root[:, None] * vh[:j]) @ qa.T).float()
-            B[:, :j] = (qb @ (u_[:, :j] * root[None, :])).float()
-            self.kept_ranks[m] = j
+            self._keep_energy(m, qb, qa, *torch.linalg.svd(rb @ ra.T, full_matrices=False))
         for n, d in self._head_average(updates, w).items():
             self.tensors[n].add_(d)
+
+    def _keep_energy(self, m: str, qb: torch.Tensor | None, qa: torch.Tensor | None, u_: torch.Tensor,
+                     s_: torch.Tensor, vh: torch.Tensor) -> None:
+        """Module ``m``'s global factors from the SVD ``(Q_B U) S (V^T Q_A^T)``: the fewest components reaching
+        ``energy`` (at most r), zero beyond (``qb`` / ``qa`` None: identity)."""
+        A, B = self.tensors[f"{m}.lora_A"], self.tensors[f"{m}.lora_B"]
+        e = s_.pow(2)
+        total = float(e.sum())
+        if total <= 0:
+            j = 0
+        else:
+            frac = torch.cumsum(e, 0) / total
+            j = min(self.config.rank, int((frac < self.energy - 1e-12).sum()) + 1)
+        root = s_[:j].clamp_min(0).sqrt()
+        a = root[:, None] * vh[:j]
+        b = u_[:, :j] * root[None, :]
+        A.zero_()
+        B.zero_()
+        A[:j] = (a if qa is None else a @ qa.T).float()
+        B[:, :j] = (b if qb is None else qb @ b).float()
+        self.kept_ranks[m] = j
+
+    def contributions(self, rnd: int, updates: list[ClientUpdate]) -> list[dict[str, tuple[torch.Tensor, Any]]]:
+        """Each client's full-size update ``B_i A_i`` per module (key ``product:<module>``); head changes."""
+        return product_contributions(self, updates)
+
+    def apply_combined(self, rnd: int, combined: dict[str, torch.Tensor], updates: list[ClientUpdate]) -> None:
+        for m in self.modules:
+            self._keep_energy(m, None, None, *torch.linalg.svd(combined[f"product:{m}"], full_matrices=False))
+        for n in self.head_names():
+            self.tensors[n].add_(combined[n].float())
 
 
 _LOGICS = {"UBSMoEStrategy": UBSMoELogic, "NaiveSMoEStrategy": NaiveSMoELogic, "SMoELLBStrategy": SMoELLBLogic,
@@ -770,13 +464,6 @@ def ub_smoe_strategy(config: UBSMoEConfig, init_adapter: Any, **kwargs: Any) -> 
 # ------------------------------------------------------------------------------------------------
 # client
 # ------------------------------------------------------------------------------------------------
-
-def task_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy for classification (labels (B,)) or token prediction (labels (B, T), -100 ignored)."""
-    if labels.ndim == 1:
-        return nn.functional.cross_entropy(logits, labels)
-    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
-
 
 def _expert_grads(layer: LoRAMoE) -> list[list[torch.Tensor | None]]:
     out = []
@@ -818,7 +505,9 @@ def local_train_moe(model: nn.Module, data: TensorData, spec: Mapping[str, Any],
                     seed: int = 0) -> tuple[float, dict[str, Any]]:
     """H AdamW steps of ``task loss + L_reg (+ lb * Switch aux)`` with K_c routing, DMR and PG (spec ``spec``).
 
-    Returns the mean task loss and the routing statistics ``{"layers", "counts" (L, M), "tokens" (L,)}``.
+    The family's client loop (:func:`rankwise.federated.client.train_steps`) with UB-SMoE's objective
+    and the pseudo-gradient applied after every backward. Returns the mean task loss and the routing
+    statistics ``{"layers", "counts" (L, M), "tokens" (L,), "k"}``.
     """
     found = dict(moe_layers(model))
     names = list(spec.get("layers") or found)
@@ -830,84 +519,42 @@ def local_train_moe(model: nn.Module, data: TensorData, spec: Mapping[str, Any],
         layer.configure(k=k, n_p=n_p, dmr=bool(spec["dmr"]), rescale=bool(spec["rescale"]), record=True)
         layer.reset_stats()
     lo, hi = spec["phi_range"]
-    params = [p for p in model.parameters() if p.requires_grad]
-    head_ids = {id(p) for n, p in model.named_parameters() if p.requires_grad and "lora_" not in n}
-    groups = [{"params": [p for p in params if id(p) not in head_ids], "lr": lr},
-              {"params": [p for p in params if id(p) in head_ids], "lr": lr if head_lr is None else head_lr}]
-    opt = torch.optim.AdamW([g for g in groups if g["params"]], weight_decay=weight_decay)
-    gen = torch.Generator().manual_seed(seed)
-    n = len(data)
-    bs = min(batch_size, n)
-    order: list[torch.Tensor] = []
-    losses = []
-    model.train()
-    for _ in range(steps):
-        if not order:
-            perm = torch.randperm(n, generator=gen)
-            order = [perm[s:s + bs] for s in range(0, n - bs + 1, bs)]
-        inputs, y = data.select(order.pop(0))
-        loss = task_loss(model(**inputs), y)
-        if not torch.isfinite(loss):
-            raise FloatingPointError(f"local training loss is {float(loss)}")
+
+    def objective(loss: torch.Tensor) -> torch.Tensor:
         total = loss
         for _, layer in layers:
             if spec["dmr"] and layer.phi.requires_grad:
                 total = total + phi_regulariser(layer.phi, lo, hi, float(spec["phi_reg"]))
             if float(spec["lb"]) > 0:
                 total = total + float(spec["lb"]) * layer.last["aux"]
-        opt.zero_grad(set_to_none=True)
-        total.backward()
+        return total
+
+    def pseudo_gradient() -> None:
         if spec["pg"]:
             for (_, layer), (_, _, rho) in zip(layers, routing):
                 apply_pseudo_gradient(_expert_grads(layer), layer.last["pi"], layer.last["used"], rho)
-        opt.step()
-        losses.append(float(loss.detach()))
-    model.eval()
+
+    loss = train_steps(model, data, steps=steps, batch_size=batch_size, lr=lr, head_lr=head_lr,
+                       weight_decay=weight_decay, seed=seed, objective=objective, after_backward=pseudo_gradient)
     for _, layer in layers:
         layer.record = False
     stats = {"layers": names, "counts": [layer.counts.tolist() for _, layer in layers],
              "tokens": [layer.tokens for _, layer in layers], "k": routing[0][0]}
-    return (float(np.mean(losses)) if losses else float("nan")), stats
+    return loss, stats
 
 
-def _client_impl() -> type:
-    from rankwise.federated.client import _ClientImpl
+class _UBSMoEClientImpl(_ClientImpl):
+    """The family's client with UB-SMoE's local training (K_c, DMR, PG, L_reg) and routing statistics."""
 
-    class _UBSMoEClientImpl(_ClientImpl):
-        """The LoRA client with UB-SMoE's local training (K_c, DMR, PG, L_reg) and routing statistics."""
-
-        def fit(self, parameters: list[np.ndarray], config: dict[str, Any]) -> tuple[list[np.ndarray], int, dict]:
-            from rankwise.federated.client import _base_model, install, read_blocks
-            from rankwise.federated.common import WIRE_DTYPE, decode_layout, derive_seed
-
-            fault = self.faults.get(self.partition, "")
-            if fault == "raise":
-                raise RuntimeError(f"injected fault: client {self.partition} raises")
-            if fault.startswith("sleep"):
-                time.sleep(float(fault.partition(":")[2] or 30))
-            layout = decode_layout(config["layout"])
-            spec = json.loads(config["ub-smoe"])
-            model = install(_base_model(self.task), parameters, layout, json.loads(config["scaling"]))
-            data = self.task.client_data(self.partition)
-            loss, stats = local_train_moe(
-                model, data, spec, steps=int(config["local-steps"]), batch_size=int(config["batch-size"]),
-                lr=float(config["lr"]), head_lr=float(config["head-lr"]),
-                weight_decay=float(config.get("weight-decay", 0.0)),
-                seed=derive_seed(int(config["seed"]), "batches", int(config["round"]), self.partition))
-            out = read_blocks(model, layout)
-            if fault == "nan":
-                out[0] = out[0].copy()
-                out[0].flat[0] = np.nan
-            elif fault == "shape":
-                out[0] = np.zeros((out[0].shape[0] + 1, *out[0].shape[1:]), WIRE_DTYPE)
-            elif fault == "dtype":
-                out[0] = out[0].astype(np.float64)
-            elif fault == "stats":
-                stats["counts"] = [[float("nan")] * len(c) for c in stats["counts"]]
-            return out, len(data), {"loss": loss, "partition": self.partition, "k": int(stats.pop("k")),
-                                    "moe-stats": json.dumps(stats)}
-
-    return _UBSMoEClientImpl
+    def train(self, model: nn.Module, data: TensorData, config: dict[str, Any], *,
+              seed: int) -> tuple[float, dict[str, Any]]:
+        loss, stats = local_train_moe(
+            model, data, json.loads(config["ub-smoe"]), steps=int(config["local-steps"]),
+            batch_size=int(config["batch-size"]), lr=float(config["lr"]), head_lr=float(config["head-lr"]),
+            weight_decay=float(config.get("weight-decay", 0.0)), seed=seed)
+        if self.faults.get(self.partition) == "stats":
+            stats["counts"] = [[float("nan")] * len(c) for c in stats["counts"]]
+        return loss, {"k": int(stats.pop("k")), "moe-stats": json.dumps(stats)}
 
 
 _CLIENT_CLS: list[type] = []
@@ -921,143 +568,28 @@ def UBSMoEClient(task: Any, partition: int, faults: Mapping[int, str] | None = N
     if not _CLIENT_CLS:
         from flwr.client import NumPyClient
 
-        _CLIENT_CLS.append(type("UBSMoEClient", (_client_impl(), NumPyClient), {}))
+        _CLIENT_CLS.append(type("UBSMoEClient", (_UBSMoEClientImpl, NumPyClient), {}))
     return _CLIENT_CLS[0](task, partition, faults)
 
 
-def make_ub_smoe_client_fn(task: str | Any = "rankwise.federated.ub_smoe:SyntheticMoETask",
-                           task_kwargs: Mapping[str, Any] | None = None,
+def make_ub_smoe_client_fn(task: str | Any = "synthetic-moe", task_kwargs: Mapping[str, Any] | None = None,
                            faults: Mapping[int, str] | None = None) -> Any:
     """A Flower ``client_fn(context)`` for UB-SMoE and its SMoE baselines (partition from ``node_config``)."""
-    from rankwise.federated.tasks import resolve_task
-
-    kwargs = dict(task_kwargs or {})
-    faults = dict(faults or {})
-
-    def client_fn(context: Any) -> Any:
-        pid = context.node_config.get("partition-id")
-        if pid is None:
-            raise ValueError("node_config lacks 'partition-id'")
-        return UBSMoEClient(resolve_task(task, kwargs), int(pid), faults).to_client()
-
-    return client_fn
-
-
-# ------------------------------------------------------------------------------------------------
-# a synthetic MoE task (tests, CLI smoke runs, users without a MoE model at hand)
-# ------------------------------------------------------------------------------------------------
-
-class _MoEClassifier(nn.Module):
-    def __init__(self, d_in: int, hidden: int, ffn: int, num_experts: int, top_k: int, num_layers: int,
-                 num_labels: int) -> None:
-        super().__init__()
-        self.embed = nn.Linear(d_in, hidden)
-        self.moe = nn.ModuleList(LoRAMoE(hidden, ffn, num_experts, top_k, router_bias=True) for _ in range(num_layers))
-        self.classifier = nn.Linear(hidden, num_labels)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.tanh(self.embed(x))
-        for layer in self.moe:
-            h = h + layer(h)
-        return self.classifier(h)
-
-
-class SyntheticMoETask:
-    """Teacher-student classification on a frozen random MoE (``x (B, d_in) -> logits (B, C)``).
-
-    The base is a seeded MoE classifier (``num_layers`` LoRAMoE layers with residuals); its router
-    carries a per-expert bias ``router_skew * linspace(1, -1, M)`` so that utilisation is imbalanced,
-    as in a pretrained MoE; expert weights are drawn ``expert_scale`` times larger than 1/sqrt(fan_in)
-    so that the MoE output, not the residual, decides the label. The teacher perturbs EVERY expert of
-    the base by its own rank-``teacher_rank`` change (times ``teacher_scale``), so a student that
-    leaves some experts untrained mislabels the tokens those experts receive. Labels are the
-    teacher's argmax at its full top-k; partitions are Dirichlet non-IID over labels. ``targets``:
-    all expert projections; ``head``: the classifier and every layer's phi.
-    """
-
-    name = "synthetic-moe"
-
-    def __init__(self, num_clients: int = 16, per_client: int = 64, n_test: int = 512, d_in: int = 16,
-                 hidden: int = 32, ffn: int = 32, num_experts: int = 8, top_k: int = 4, num_layers: int = 1,
-                 num_labels: int = 4, teacher_rank: int = 2, router_skew: float = 1.0, teacher_scale: float = 2.0,
-                 expert_scale: float = 3.0, dirichlet_alpha: float = 0.3, seed: int = 0) -> None:
-        for k, v in dict(num_clients=num_clients, per_client=per_client, n_test=n_test, d_in=d_in, hidden=hidden,
-                         ffn=ffn, num_experts=num_experts, top_k=top_k, num_layers=num_layers, num_labels=num_labels,
-                         teacher_rank=teacher_rank).items():
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"SyntheticMoETask.{k} must be an int >= 1, got {v!r}")
-        for k, v in dict(router_skew=router_skew, teacher_scale=teacher_scale, expert_scale=expert_scale).items():
-            if not finite_number(v):
-                raise ValueError(f"SyntheticMoETask.{k} must be a finite number, got {v!r}")
-        self.num_clients, self.seed, self.top_k = num_clients, seed, top_k
-        self.dims = (d_in, hidden, ffn, num_experts, top_k, num_layers, num_labels)
-        self.targets: tuple[str, ...] = (r"re:.*\.experts\.\d+\.w[123]",)
-        self.head: tuple[str, ...] = ("classifier.weight", "classifier.bias",
-                                      *(f"moe.{i}.phi" for i in range(num_layers)))
-        gen = torch.Generator().manual_seed(seed)
-        base = _MoEClassifier(*self.dims)
-        with torch.no_grad():
-            for name, p in base.named_parameters():
-                if name.endswith("phi"):
-                    continue
-                if name.endswith("router.bias"):
-                    p.copy_(float(router_skew) * torch.linspace(1.0, -1.0, num_experts))
-                    continue
-                scale = 2.0 if "router" in name else float(expert_scale) if "experts" in name else 1.0
-                p.copy_(scale * torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1]))
-        teacher = _MoEClassifier(*self.dims)
-        teacher.load_state_dict(base.state_dict())
-        with torch.no_grad():
-            for layer in teacher.moe:
-                for e in layer.experts:
-                    for lin in (e.w1, e.w3, e.w2):
-                        o, i = lin.weight.shape
-                        u = torch.randn(o, teacher_rank, generator=gen)
-                        v = torch.randn(teacher_rank, i, generator=gen)
-                        lin.weight.add_(float(teacher_scale) * (u @ v) / math.sqrt(i * teacher_rank))
-        self._state = base.state_dict()
-        n_train = per_client * num_clients
-        x = torch.randn(n_train + n_test, d_in, generator=gen)
-        with torch.no_grad():
-            y = teacher(x).argmax(-1)
-        self._train = TensorData({"x": x[:n_train]}, y[:n_train])
-        self._test = TensorData({"x": x[n_train:]}, y[n_train:])
-        self._parts = dirichlet_partition(y[:n_train], num_clients, dirichlet_alpha, seed, min_size=8)
-
-    def build_model(self) -> nn.Module:
-        m = _MoEClassifier(*self.dims)
-        m.load_state_dict(self._state)
-        return m
-
-    def client_data(self, partition: int) -> TensorData:
-        if not 0 <= partition < self.num_clients:
-            raise ValueError(f"partition {partition} is outside 0..{self.num_clients - 1}")
-        idx = torch.as_tensor(self._parts[partition])
-        return TensorData({k: v[idx] for k, v in self._train.inputs.items()}, self._train.labels[idx])
-
-    def test_data(self) -> TensorData:
-        return self._test
+    return make_client_fn(task, task_kwargs, faults, client=UBSMoEClient)
 
 
 # ------------------------------------------------------------------------------------------------
 # registration
 # ------------------------------------------------------------------------------------------------
 
-def _register() -> None:
-    from rankwise.federated.runner import register_method
-
-    def lazy(cls: type) -> Any:
-        return lambda: cls
-
-    def client_factory(task: Any, task_kwargs: Any, faults: Any) -> Any:
-        return make_ub_smoe_client_fn(task, task_kwargs, faults)
-
-    for cname, cls in _LOGICS.items():
-        if cls is FLoRISTLogic:  # a LoRA method: the shared LoRA client
-            register_method(cls.method, lazy(cls), cname)
-        else:
-            register_method(cls.method, lazy(cls), cname, client_factory=client_factory)
+def _ub_client_factory(task: Any, task_kwargs: Any, faults: Any) -> Any:
+    return make_ub_smoe_client_fn(task, task_kwargs, faults)
 
 
+for _cname, _cls in _LOGICS.items():
+    if _cls is FLoRISTLogic:  # a LoRA method: the shared LoRA client and the LoRA task
+        register_method(_cls.method, _cls, _cname, config=FederatedConfig)
+    else:
+        register_method(_cls.method, _cls, _cname, client_factory=_ub_client_factory, default_task="synthetic-moe",
+                        config=UBSMoEConfig)
 register("ub_smoe", config=UBSMoEConfig, entry=ub_smoe_strategy)
-_register()

@@ -9,7 +9,7 @@ Per adapted linear layer, independently and data-free (``ΔW_t = s_t B_t A_t``, 
 ``A_t (r_t, n)``, R = Σ r_t; ``s_t`` folded into ``B_t``):
 
 1. core bases ``U_B (m, R)`` / ``V_A (n, R)``: orthonormal bases of ``[B_1 ... B_T]`` and
-   ``[A_1; ...; A_T]ᵀ`` (thin SVDs) — :func:`rankwise.merge.baselines.core_bases`;
+   ``[A_1; ...; A_T]ᵀ`` (thin SVDs) — :func:`rankwise.merge.common.core_bases`;
 2. core matrices ``M_t = (U_Bᵀ B_t)(A_t V_A)`` ``(R, R)``; ``ΔW_t = U_B M_t V_Aᵀ`` exactly;
 3. norm balancing (only for choosing the subspaces): ``M̃_t = M_t (β ν_t + (1-β) ν̄) / ν_t`` with
    ``ν_t = ||M_t||_F``, ``ν̄`` their mean — :func:`balance_norms`;
@@ -18,7 +18,7 @@ Per adapted linear layer, independently and data-free (``ΔW_t = s_t B_t A_t``, 
    :func:`tucker2`;
 5. lift ``U_r = U_B P (m, r)``, ``V_r = V_A S (n, r)`` (orthonormal columns);
 6. coordinates of each adapter from its RAW factors: ``C_t = (U_rᵀ B_t)(A_t V_r)`` ``(r, r)``;
-7. merge in the reduced space with a rule (TIES, TA, DARE, ...; :func:`rankwise.merge.baselines.merge_tensors`
+7. merge in the reduced space with a rule (TIES, TA, DARE, ...; :func:`rankwise.merge.rules.merge_tensors`
    on the flattened ``C_t``), then scale by λ: ``ΔW = λ U_r C V_rᵀ``;
 8. output a rank-r LoRA, alpha = r (scaling 1): ``B = λ U_r X Σ^{1/2}``, ``A = Σ^{1/2} Yᵀ V_rᵀ`` with
    ``C = X Σ Yᵀ`` (the balanced split is our choice; ``balance=False`` gives ``B = λ U_r C``, ``A = V_rᵀ``).
@@ -29,7 +29,7 @@ memory O((m + n) R + T R²). ``rank(ΔW) <= r`` by construction.
 Usage::
 
     from rankwise.merge import CtMConfig, ctm_merge
-    from rankwise.adapt.lora import import_peft, write_adapter_dir
+    from rankwise.core.peft_format import import_peft, write_adapter_dir
     merged = ctm_merge([import_peft(d) for d in dirs], CtMConfig(rank=16, rule="ties"))
     write_adapter_dir(merged, "merged")      # PeftModel.from_pretrained(base, "merged") loads it
 """
@@ -47,21 +47,21 @@ from torch import Tensor
 from rankwise.core.errors import NumericalError
 from rankwise.core.lora import AdapterState
 from rankwise.core.registry import register
-from rankwise.merge.baselines import (
-    _check_unit,
-    _factors,
-    _module_factors,
-    _out_state,
+from rankwise.core.validate import check_bool, check_int, check_number, check_unit
+from rankwise.merge.base import MergeMethod, register_merge_method
+from rankwise.merge.common import (
+    FP,
     adapter_seed,
-    canonical_rule,
     check_adapters,
-    check_rank,
-    check_scale,
+    check_rank_fits,
     core_bases,
     core_matrices,
-    merge_tensors,
+    lowrank_factors,
+    module_factors,
+    out_state,
     top_left_singular,
 )
+from rankwise.merge.rules import canonical_rule, merge_tensors
 
 __all__ = [
     "CtMConfig",
@@ -78,7 +78,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
-_FP = torch.float64
 
 
 @dataclass(frozen=True)
@@ -87,7 +86,7 @@ class CtMConfig:
 
     Attributes:
         rank: output rank r per module (the paper: 16, the adapters' rank); must be <= Σ r_t and <= min(m, n).
-        rule: reduced-space merge rule, one of :data:`rankwise.merge.baselines.RULES`
+        rule: reduced-space merge rule, one of :data:`rankwise.merge.rules.RULES`
             (``"ties"`` is the paper's main rule; ``"ta"``, ``"mean"``, ``"dare"``, ``"dare_ties"``, ``"iso_c"``).
         density: TIES top-k fraction kept per task, in (0, 1] (the code's topK / 100).
         drop_rate: DARE drop probability p, in [0, 1).
@@ -111,22 +110,16 @@ class CtMConfig:
     seed: int = 420
 
     def __post_init__(self) -> None:
-        check_rank("CtMConfig.rank", self.rank)
+        object.__setattr__(self, "rank", check_int("CtMConfig.rank", self.rank, 1))
         object.__setattr__(self, "rule", canonical_rule(self.rule, "CtMConfig.rule"))
-        object.__setattr__(self, "density", _check_unit("CtMConfig.density", self.density, True, False))
-        object.__setattr__(self, "drop_rate", _check_unit("CtMConfig.drop_rate", self.drop_rate, False, True))
-        object.__setattr__(self, "beta", _check_unit("CtMConfig.beta", self.beta, False, False))
-        object.__setattr__(self, "scale", check_scale("CtMConfig.scale", self.scale))
-        if not isinstance(self.hooi_iters, int) or isinstance(self.hooi_iters, bool) or self.hooi_iters < 0:
-            raise ValueError(f"CtMConfig.hooi_iters must be an int >= 0, got {self.hooi_iters!r}")
-        tol = self.hooi_tol
-        if not isinstance(tol, (int, float)) or isinstance(tol, bool) or not (math.isfinite(tol) and tol >= 0):
-            raise ValueError(f"CtMConfig.hooi_tol must be a finite number >= 0, got {tol!r}")
-        object.__setattr__(self, "hooi_tol", float(tol))
-        if not isinstance(self.balance, bool):
-            raise ValueError(f"CtMConfig.balance must be a bool, got {self.balance!r}")
-        if not isinstance(self.seed, int) or isinstance(self.seed, bool):
-            raise ValueError(f"CtMConfig.seed must be an int, got {self.seed!r}")
+        object.__setattr__(self, "density", check_unit("CtMConfig.density", self.density, low_open=True))
+        object.__setattr__(self, "drop_rate", check_unit("CtMConfig.drop_rate", self.drop_rate, high_open=True))
+        object.__setattr__(self, "beta", check_unit("CtMConfig.beta", self.beta))
+        object.__setattr__(self, "scale", check_number("CtMConfig.scale", self.scale))
+        object.__setattr__(self, "hooi_iters", check_int("CtMConfig.hooi_iters", self.hooi_iters, 0))
+        object.__setattr__(self, "hooi_tol", check_number("CtMConfig.hooi_tol", self.hooi_tol, 0.0))
+        check_bool("CtMConfig.balance", self.balance)
+        object.__setattr__(self, "seed", check_int("CtMConfig.seed", self.seed))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -174,10 +167,10 @@ def tucker2(M: Tensor, rank: int, *, iters: int = 1000, tol: float = 1e-6) -> HO
     T, R, _ = M.shape
     if rank > R:
         raise ValueError(f"tucker2: rank {rank} > R = {R}")
-    M = M.to(_FP)
+    M = M.to(FP)
     total = float(M.square().sum())
     if total == 0.0:
-        eye = torch.eye(R, rank, dtype=_FP)
+        eye = torch.eye(R, rank, dtype=FP)
         return HOOIResult(eye, eye.clone(), 0.0, 0.0, 0, True, 0.0)
     P = top_left_singular(M.permute(1, 0, 2).reshape(R, T * R), rank)
     S = top_left_singular(M.transpose(1, 2).permute(1, 0, 2).reshape(R, T * R), rank)
@@ -239,8 +232,8 @@ def ctm_merge_layer(Bs: Sequence[Tensor], As: Sequence[Tensor], config: CtMConfi
         raise ValueError(f"CtM: rank={r} exceeds min(out, in) = {min(m, n)} at {name}")
     if r > R:
         raise ValueError(f"CtM: rank={r} exceeds R = Σ r_t = {R} at {name}; choose rank <= {R}")
-    Bs = [b.to(_FP) for b in Bs]
-    As = [a.to(_FP) for a in As]
+    Bs = [b.to(FP) for b in Bs]
+    As = [a.to(FP) for a in As]
     U_B, V_A = core_bases(Bs, As)                                   # step 1
     M = core_matrices(U_B, V_A, Bs, As)                             # step 2
     Mt = balance_norms(M, config.beta)                              # step 3
@@ -252,7 +245,7 @@ def ctm_merge_layer(Bs: Sequence[Tensor], As: Sequence[Tensor], config: CtMConfi
     Cm = merge_tensors(C, config.rule, density=config.density, drop_rate=config.drop_rate, seeds=seeds)  # step 7
     if config.balance or config.rule == "iso_c":
         X, Sig, Yh = torch.linalg.svd(Cm, full_matrices=False)
-        Bc, Ac = _factors(X, Sig, Yh, r, config.rule == "iso_c")        # (r, r) each
+        Bc, Ac = lowrank_factors(X, Sig, Yh, r, config.rule == "iso_c")        # (r, r) each
         B = config.scale * (U_r @ Bc)
         A = Ac @ V_r.T
     else:
@@ -308,9 +301,8 @@ def merge_with_report(adapters: Sequence[AdapterState], config: CtMConfig | None
         raise TypeError(f"ctm merge: config must be a CtMConfig, got {type(cfg).__name__}")
     inputs = check_adapters(adapters, "ctm merge")
     R_total = {mod: sum(a.rank(mod) for a in inputs.adapters) for mod in inputs.modules}
-    for mod, (m, n) in inputs.shapes.items():
-        if cfg.rank > min(m, n):
-            raise ValueError(f"ctm merge: rank={cfg.rank} exceeds min(out, in) = {min(m, n)} of module {mod!r}")
+    check_rank_fits(inputs, cfg.rank, "ctm merge")
+    for mod in inputs.modules:
         if cfg.rank > R_total[mod]:
             raise ValueError(f"ctm merge: rank={cfg.rank} exceeds the total input rank R = Σ r_t = {R_total[mod]} "
                              f"at module {mod!r}; choose rank <= {R_total[mod]}")
@@ -319,10 +311,10 @@ def merge_with_report(adapters: Sequence[AdapterState], config: CtMConfig | None
     T = len(inputs.adapters)
     for mod in inputs.modules:
         m, n = inputs.shapes[mod]
-        Bs, As, kept = _module_factors(inputs, mod)
+        Bs, As, kept = module_factors(inputs, mod)
         R = sum(int(b.shape[1]) for b in Bs)
         if not Bs:
-            factors[mod] = {"lora_A": torch.zeros(cfg.rank, n, dtype=_FP), "lora_B": torch.zeros(m, cfg.rank, dtype=_FP)}
+            factors[mod] = {"lora_A": torch.zeros(cfg.rank, n, dtype=FP), "lora_B": torch.zeros(m, cfg.rank, dtype=FP)}
             report.kept_energy[mod] = [None] * T
             report.hooi[mod] = {"iterations": 0, "converged": True, "skipped": "all adapters are zero"}
             continue
@@ -342,7 +334,7 @@ def merge_with_report(adapters: Sequence[AdapterState], config: CtMConfig | None
         report.hooi[mod] = {"iterations": res.hooi.iterations, "converged": res.hooi.converged,
                             "objective_init": res.hooi.objective_init, "objective": res.hooi.objective,
                             "rel_error": res.hooi.rel_error}
-    state = _out_state(inputs, factors, cfg.rank, {"method": "ctm", "merge": asdict(cfg)})
+    state = out_state(inputs, factors, cfg.rank, {"method": "ctm", "merge": asdict(cfg)})
     return state, report
 
 
@@ -398,4 +390,12 @@ def merge(adapters: Sequence[AdapterState], config: CtMConfig | None = None) -> 
 
 ctm_merge = merge
 
+
+def _merge_with_diagnostics(adapters: Sequence[AdapterState], config: CtMConfig) -> tuple[AdapterState, dict[str, Any]]:
+    state, report = merge_with_report(adapters, config)
+    return state, {"kept_energy": report.mean_kept_energy(), "report": report}
+
+
 register("ctm", config=CtMConfig, entry=merge)
+register_merge_method(MergeMethod("ctm", CtMConfig, merge, "Compress-then-Merge: shared rank-r subspaces, then "
+                                  "merge the r x r coordinates with --rule", report=_merge_with_diagnostics))

@@ -36,12 +36,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Literal
 
-import numpy as np
 import torch
 from torch import Tensor
 
 from rankwise.core.errors import ArtifactError, NumericalError
 from rankwise.core.registry import register
+from rankwise.core.validate import check_choice, check_int, check_positive, check_unit
 
 LINKS = ("quadratic", "he3", "tanh")
 _DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -117,12 +117,9 @@ class MultiIndexTask:
     S: Tensor = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        for name in ("d", "r", "seed"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
-                raise ValueError(f"MultiIndexTask.{name} must be an integer, got {v!r}")
-        if self.d < 1:
-            raise ValueError(f"MultiIndexTask.d must be >= 1, got {self.d}")
+        check_int("MultiIndexTask.d", self.d, 1)
+        check_int("MultiIndexTask.r", self.r)
+        check_int("MultiIndexTask.seed", self.seed)
         if not 1 <= self.r <= self.d:
             raise ValueError(f"MultiIndexTask.r must be in [1, d] = [1, {self.d}], got {self.r}")
         if isinstance(self.link, str):
@@ -165,8 +162,7 @@ class MultiIndexTask:
 
     def sample(self, n: int, seed: int, dtype: torch.dtype = torch.float32) -> RegressionData:
         """``n`` fresh samples ``(x, y)`` drawn with ``seed`` (different seeds give independent sets)."""
-        if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
-            raise ValueError(f"n must be an integer >= 1, got {n!r}")
+        check_int("n", n, 1)
         g = torch.Generator().manual_seed(int(seed) * 1_000_003 + 17)
         x = torch.randn(int(n), self.d, generator=g, dtype=torch.float64)
         return RegressionData(x.to(dtype), self.f(x).to(dtype))
@@ -280,21 +276,16 @@ class TwoLayerAlg:
     init_scheme: Literal["symmetric", "iid"] = "symmetric"
 
     def __post_init__(self) -> None:
-        if self.init_scheme not in ("symmetric", "iid"):
-            raise ValueError(f"TwoLayerAlg.init_scheme must be 'symmetric' or 'iid', got {self.init_scheme!r}")
-        if isinstance(self.width, bool) or not isinstance(self.width, (int, np.integer)) or self.width < 1:
-            raise ValueError(f"TwoLayerAlg.width (L) must be an integer >= 1, got {self.width!r}")
-        if self.activation not in ("relu", "tanh"):
-            raise ValueError(f"TwoLayerAlg.activation must be 'relu' or 'tanh', got {self.activation!r}")
+        check_choice("TwoLayerAlg.init_scheme", self.init_scheme, ("symmetric", "iid"))
+        check_int("TwoLayerAlg.width (L)", self.width, 1)
+        check_choice("TwoLayerAlg.activation", self.activation, ("relu", "tanh"))
         if isinstance(self.eta1, str):
             if self.eta1 != "auto":
                 raise ValueError(f"TwoLayerAlg.eta1 must be 'auto' or a number > 0, got {self.eta1!r}")
         elif not (isinstance(self.eta1, (int, float)) and math.isfinite(self.eta1) and self.eta1 > 0):
             raise ValueError(f"TwoLayerAlg.eta1 must be 'auto' or a finite number > 0, got {self.eta1!r}")
-        if not (isinstance(self.ridge, (int, float)) and math.isfinite(self.ridge) and self.ridge > 0):
-            raise ValueError(f"TwoLayerAlg.ridge must be a finite number > 0, got {self.ridge!r}")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"TwoLayerAlg.dtype must be one of {list(_DTYPES)}, got {self.dtype!r}")
+        check_positive("TwoLayerAlg.ridge", self.ridge)
+        check_choice("TwoLayerAlg.dtype", self.dtype, tuple(_DTYPES))
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -649,26 +640,16 @@ class DistillConfig:
 
     def __post_init__(self) -> None:
         for name in ("m1", "inits_per_step", "steps", "stage2_steps", "stage2_inits", "stage2_pairs"):
-            v = getattr(self, name)
             lo = 0 if name in ("steps", "stage2_steps", "stage2_pairs") else 1
-            if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
-                raise ValueError(f"DistillConfig.{name} must be an integer >= {lo}, got {v!r}")
+            check_int(f"DistillConfig.{name}", getattr(self, name), lo)
         for name in ("m2", "real_batch", "stage2_real_batch"):
-            v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1):
-                raise ValueError(f"DistillConfig.{name} must be None or an integer >= 1, got {v!r}")
+            check_int(f"DistillConfig.{name}", getattr(self, name), 1, allow_none=True)
         for name in ("lr", "stage2_lr", "stage2_spread"):
-            v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
-                raise ValueError(f"DistillConfig.{name} must be a finite number > 0, got {v!r}")
-        if not 0 < self.stage1_fraction < 1:
-            raise ValueError(f"DistillConfig.stage1_fraction must be in (0, 1), got {self.stage1_fraction}")
-        if self.lr_schedule not in ("cosine", "constant"):
-            raise ValueError(f"DistillConfig.lr_schedule must be 'cosine' or 'constant', got {self.lr_schedule!r}")
-        if self.stage2_init not in ("expert", "zero"):
-            raise ValueError(f"DistillConfig.stage2_init must be 'expert' or 'zero', got {self.stage2_init!r}")
-        if self.init not in ("real", "gaussian"):
-            raise ValueError(f"DistillConfig.init must be 'real' or 'gaussian', got {self.init!r}")
+            check_positive(f"DistillConfig.{name}", getattr(self, name))
+        check_unit("DistillConfig.stage1_fraction", self.stage1_fraction, low_open=True, high_open=True)
+        check_choice("DistillConfig.lr_schedule", self.lr_schedule, ("cosine", "constant"))
+        check_choice("DistillConfig.stage2_init", self.stage2_init, ("expert", "zero"))
+        check_choice("DistillConfig.init", self.init, ("real", "gaussian"))
 
 
 class GradientMatchingDistiller:

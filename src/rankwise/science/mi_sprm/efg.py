@@ -27,6 +27,7 @@ import numpy as np
 import scipy.sparse as sp
 
 from rankwise.core.errors import NumericalError
+from rankwise.core.validate import check_choice, check_int
 from rankwise.science.mi_sprm.games import CHANCE, Game, GameState, replay
 from rankwise.science.mi_sprm.matrix import fit_loglog_slope, log_schedule
 from rankwise.science.mi_sprm.regret import MISPRMPlus, RegretAlgorithm, RegretMinimizer, _MISPRMPlus
@@ -307,8 +308,7 @@ class CFRSolver:
         self.local = MISPRMPlus() if local is None else local
         if not isinstance(self.local, RegretAlgorithm):
             raise TypeError(f"local must be a RegretAlgorithm config (e.g. MISPRMPlus()), got {type(self.local).__name__}")
-        if averaging not in ("uniform", "linear", "quadratic"):
-            raise ValueError(f"averaging must be 'uniform', 'linear' or 'quadratic', got {averaging!r}")
+        check_choice("averaging", averaging, ("uniform", "linear", "quadratic"))
         self.sf = _sequence_form(game)
         self.alternating = bool(alternating)
         self.averaging = averaging
@@ -384,8 +384,7 @@ class CFRSolver:
 
     def run(self, iters: int, *, log_at: Sequence[int] | None = None) -> CFRResult:
         """Run ``iters`` more iterations, logging exploitability at ``log_at`` (default ~60 log-spaced)."""
-        if not isinstance(iters, (int, np.integer)) or iters < 1:
-            raise ValueError(f"iters must be an int >= 1, got {iters!r}")
+        check_int("iters", iters, 1)
         logs = log_schedule(iters) if log_at is None else np.unique(np.asarray(list(log_at), dtype=np.int64))
         if logs.size == 0 or logs.min() < 1 or logs.max() > iters:
             raise ValueError(f"log_at must be iterations within [1, {iters}]")

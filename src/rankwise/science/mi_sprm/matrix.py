@@ -16,6 +16,7 @@ from typing import Literal, Sequence
 import numpy as np
 
 from rankwise.core.errors import NumericalError
+from rankwise.core.validate import check_choice, check_int
 from rankwise.science.mi_sprm.regret import MISPRMPlus, RegretAlgorithm, _MISPRMPlus
 
 __all__ = ["duality_gap", "solve_matrix_game", "MatrixGameResult", "fit_loglog_slope", "log_schedule",
@@ -172,10 +173,8 @@ def solve_matrix_game(
     for a, nm in ((algo, "algo"), (algo_y, "algo_y")):
         if not isinstance(a, RegretAlgorithm):
             raise TypeError(f"{nm} must be a RegretAlgorithm config (e.g. MISPRMPlus()), got {type(a).__name__}")
-    if not isinstance(iters, (int, np.integer)) or iters < 1:
-        raise ValueError(f"iters must be an int >= 1, got {iters!r}")
-    if averaging not in _AVG_POWER:
-        raise ValueError(f"averaging must be one of {list(_AVG_POWER)}, got {averaging!r}")
+    check_int("iters", iters, 1)
+    check_choice("averaging", averaging, tuple(_AVG_POWER))
     if log_at is not None:
         logs = np.unique(np.asarray(list(log_at), dtype=np.int64))
         if logs.size == 0 or logs.min() < 1 or logs.max() > iters:

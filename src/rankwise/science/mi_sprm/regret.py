@@ -24,6 +24,7 @@ from typing import ClassVar, Literal
 import numpy as np
 
 from rankwise.core.errors import NumericalError
+from rankwise.core.validate import check_choice, check_positive
 
 __all__ = [
     "normalize", "project_regret_domain", "project_scaled_simplex", "instant_regret",
@@ -349,11 +350,6 @@ class PRMPlus(RegretAlgorithm):
         return "PRM+"
 
 
-def _check_pos(name: str, field: str, v: float) -> None:
-    if not (isinstance(v, (int, float)) and math.isfinite(v) and v > 0):
-        raise ValueError(f"{name}.{field} must be a finite number > 0, got {v!r}")
-
-
 @dataclass(frozen=True)
 class SPRMPlus(RegretAlgorithm):
     """Smooth Predictive RM+ (Farina et al. 2023) on ``D = {R >= 0, ||R||_1 >= r0}`` with step ``eta``.
@@ -365,8 +361,8 @@ class SPRMPlus(RegretAlgorithm):
     r0: float = 1.0
 
     def __post_init__(self) -> None:
-        _check_pos("SPRMPlus", "eta", self.eta)
-        _check_pos("SPRMPlus", "r0", self.r0)
+        check_positive("SPRMPlus.eta", self.eta)
+        check_positive("SPRMPlus.r0", self.r0)
 
     @classmethod
     def for_matrix(cls, A: np.ndarray, scale: float = 1.0, r0: float = 1.0) -> "SPRMPlus":
@@ -396,8 +392,8 @@ class SEGRMPlus(RegretAlgorithm):
     r0: float = 1.0
 
     def __post_init__(self) -> None:
-        _check_pos("SEGRMPlus", "eta", self.eta)
-        _check_pos("SEGRMPlus", "r0", self.r0)
+        check_positive("SEGRMPlus.eta", self.eta)
+        check_positive("SEGRMPlus.r0", self.r0)
 
     def make(self, num_actions: int, batch: tuple[int, ...] | int = ()) -> RegretMinimizer:
         return _SEGRMPlus(num_actions, _batch(batch), self.eta, self.r0)
@@ -421,9 +417,8 @@ class MISPRMPlus(RegretAlgorithm):
     eps: float = 1e-12
 
     def __post_init__(self) -> None:
-        if self.ard not in ("max_norm", "norm"):
-            raise ValueError(f"MISPRMPlus.ard must be 'max_norm' or 'norm', got {self.ard!r}")
-        _check_pos("MISPRMPlus", "eps", self.eps)
+        check_choice("MISPRMPlus.ard", self.ard, ("max_norm", "norm"))
+        check_positive("MISPRMPlus.eps", self.eps)
 
     def make(self, num_actions: int, batch: tuple[int, ...] | int = ()) -> RegretMinimizer:
         return _MISPRMPlus(num_actions, _batch(batch), self.ard, self.eps)

@@ -22,23 +22,17 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterator, Literal
 
 import numpy as np
 
+from rankwise.core.validate import check_choice, check_int, check_number, check_unit
 from rankwise.science.rank_clustering.oracle import QuadrupletOracle
 from rankwise.science.rank_clustering.sorting import advsort, probsort
 
 __all__ = ["RModelConfig", "RModelClusterer", "CoresetPlus", "GenericConfig", "GenericClusterer",
            "fit_coreset_plus", "random_centers_baseline", "EdgeTester"]
-
-
-def _check_int(name: str, v: Any, lo: int, allow_none: bool = False) -> None:
-    if v is None and allow_none:
-        return
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
-        raise ValueError(f"{name} must be an int >= {lo}{' or None' if allow_none else ''}, got {v!r}")
 
 
 @dataclass(frozen=True)
@@ -72,27 +66,23 @@ class RModelConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        _check_int("k", self.k, 1)
-        if isinstance(self.p, bool) or not isinstance(self.p, (int, float)) or not math.isfinite(self.p) or self.p < 1:
-            raise ValueError(f"p must be a finite number >= 1 (1: k-median, 2: k-means), got {self.p!r}")
+        check_int("RModelConfig.k", self.k, 1)
+        check_number("RModelConfig.p", self.p, 1)  # 1: k-median, 2: k-means
         if self.variant != "general":
             raise ValueError(f"variant must be 'general' (ALG-G); got {self.variant!r} (ALG-D, the doubling-"
                              "dimension variant, is not implemented: its nearest-neighbour structure is not "
                              "specified in enough detail)")
-        if self.nearest not in ("sort", "pick-mins"):
-            raise ValueError(f"nearest must be 'sort' or 'pick-mins', got {self.nearest!r}")
-        _check_int("s1_size", self.s1_size, 2, allow_none=True)
-        _check_int("s2_size", self.s2_size, 3, allow_none=True)
-        _check_int("kernel_size", self.kernel_size, 1, allow_none=True)
-        _check_int("guard_size", self.guard_size, 1, allow_none=True)
-        _check_int("delta", self.delta, 1)
-        _check_int("stop_size", self.stop_size, 1)
-        _check_int("max_rounds", self.max_rounds, 1, allow_none=True)
-        _check_int("seed", self.seed, 0)
-        for name in ("keep_fraction", "assign_fraction"):
-            v = getattr(self, name)
-            if not isinstance(v, (int, float)) or not (0.0 < v <= 1.0):
-                raise ValueError(f"{name} must be in (0, 1], got {v!r}")
+        check_choice("RModelConfig.nearest", self.nearest, ("sort", "pick-mins"))
+        check_int("RModelConfig.s1_size", self.s1_size, 2, allow_none=True)
+        check_int("RModelConfig.s2_size", self.s2_size, 3, allow_none=True)
+        check_int("RModelConfig.kernel_size", self.kernel_size, 1, allow_none=True)
+        check_int("RModelConfig.guard_size", self.guard_size, 1, allow_none=True)
+        check_int("RModelConfig.delta", self.delta, 1)
+        check_int("RModelConfig.stop_size", self.stop_size, 1)
+        check_int("RModelConfig.max_rounds", self.max_rounds, 1, allow_none=True)
+        check_int("RModelConfig.seed", self.seed, 0)
+        check_unit("RModelConfig.keep_fraction", self.keep_fraction, low_open=True)
+        check_unit("RModelConfig.assign_fraction", self.assign_fraction, low_open=True)
 
 
 @dataclass
@@ -141,7 +131,7 @@ def _validate_oracle(oracle: Any, n: int | None, k: int) -> int:
         raise TypeError("oracle must be a QuadrupletOracle (wrap a callable with QuadrupletOracle.from_callable), "
                         f"got {type(oracle).__name__}")
     n = oracle.n if n is None else n
-    _check_int("n", n, 2)
+    check_int("n", n, 2)
     if n != oracle.n:
         raise ValueError(f"n={n} does not match the oracle's n={oracle.n}")
     if k > n:
@@ -357,13 +347,12 @@ class GenericConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        _check_int("k", self.k, 1)
-        _check_int("s1_size", self.s1_size, 2, allow_none=True)
-        _check_int("stop_size", self.stop_size, 1)
-        _check_int("max_rounds", self.max_rounds, 1, allow_none=True)
-        _check_int("seed", self.seed, 0)
-        if not isinstance(self.assign_fraction, (int, float)) or not (0 < self.assign_fraction <= 1):
-            raise ValueError(f"assign_fraction must be in (0, 1], got {self.assign_fraction!r}")
+        check_int("GenericConfig.k", self.k, 1)
+        check_int("GenericConfig.s1_size", self.s1_size, 2, allow_none=True)
+        check_int("GenericConfig.stop_size", self.stop_size, 1)
+        check_int("GenericConfig.max_rounds", self.max_rounds, 1, allow_none=True)
+        check_int("GenericConfig.seed", self.seed, 0)
+        check_unit("GenericConfig.assign_fraction", self.assign_fraction, low_open=True)
 
 
 class GenericClusterer:

@@ -6,7 +6,6 @@ The Coreset+ construction never reads coordinates; this last step does, but only
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np

@@ -16,10 +16,12 @@ noise. The paper restores the low-dimensional dynamics by
   detached residual brought to length ``L`` and ``c = max(L/H, 1)`` (spec §5), so that the noise
   lies in the model's null space.
 
-Layout of this module, top to bottom: input validation and windowing; the closed forms (OLS, RRR,
-DWRR, rank selection); characteristic roots; forecaster modules (Linear, frequency-domain linear,
-DLinear); the Root Purge loss; training (one model, or a vectorised ensemble of linear models);
-the :class:`Forecaster` estimator with ``fit``/``predict``; registration.
+Layout of the package: :mod:`.config` (the configs and constants), :mod:`.data` (input validation and
+windowing), :mod:`.linear` (the closed forms: OLS, RRR, DWRR, rank selection; characteristic roots),
+:mod:`.model` (forecaster modules: Linear, frequency-domain linear, DLinear; the Root Purge loss;
+training of one model or a vectorised ensemble of linear models) and this module (the
+:class:`Forecaster` estimator with ``fit``/``predict``, the statsmodels AR peer, registration); every
+public name is importable from ``rankwise.science.root_purge``.
 
 Shapes: a series is ``(T,)`` or ``(T, C)``; windows are ``X (N, L, C)`` and ``Y (N, H, C)``;
 the closed forms take channel-independent rows ``X (N, L)`` / ``Y (N, H)`` (or ``(N, L, C)``,
@@ -29,884 +31,65 @@ which they stack channel by channel). All closed forms run in float64.
 from __future__ import annotations
 
 import logging
-import math
-import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Literal, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
-from rankwise.core.errors import ArtifactError, NumericalError
+from rankwise.core.errors import ArtifactError
 from rankwise.core.registry import register
+from rankwise.core.validate import check_choice, check_int
+from rankwise.science.root_purge.config import (
+    RCOND,
+    _BACKBONES,
+    _CHANNEL_MODES,
+    _METHODS,
+    ArrayLike,
+    Method,
+    RootPurgeConfig,
+    TrainConfig,
+)
+from rankwise.science.root_purge.data import (
+    _as_tensor,
+    _check_finite,
+    _rows,
+    as_series,
+    instance_normalize,
+    make_windows,
+)
+from rankwise.science.root_purge.linear import (
+    RankSelection,
+    RRRPath,
+    _check_rank,
+    ar_roots,
+    characteristic_roots,
+    default_ranks,
+    dwrr,
+    effective_weight,
+    fit_ols,
+    predict_linear,
+    reduced_rank_regression,
+    root_distance,
+    rrr_path,
+    select_rank,
+    singular_values,
+    tail_singular_sum,
+)
+from rankwise.science.root_purge.model import (
+    DLinearForecaster,
+    FrequencyLinearForecaster,
+    LinearForecaster,
+    RootPurgeLoss,
+    TrainResult,
+    adapt_length,
+    fit_linear_ensemble,
+    train_forecaster,
+)
 
 log = logging.getLogger(__name__)
-
-ArrayLike = np.ndarray | Tensor | Sequence[float]
-Method = Literal["ols", "rrr", "dwrr", "linear", "root_purge"]
-_METHODS = ("ols", "rrr", "dwrr", "linear", "root_purge")
-_BACKBONES = ("linear", "frequency", "dlinear")
-_CHANNEL_MODES = ("independent", "individual")
-# Singular values of X below RCOND * s_max are zeroed in the pseudo-inverse (spec §1 uses an
-# absolute 1e-9; a relative floor keeps the forecast equivariant to rescaling the series).
-RCOND = 1e-9
-
-
-# --------------------------------------------------------------------------------------------
-# configs
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class RootPurgeConfig:
-    """Root Purge regulariser (spec §5).
-
-    ``lam``: weight lambda of the purge term (official default 0.3; the synthetic study uses 1).
-    ``order``: purge order k, how many times the model is applied to the residual.
-    ``target``: ``"zero"`` (``f(e) -> 0``) or ``"model_zero"`` (``f(e) -> f(0)``, identical for
-    bias-free models).
-    """
-
-    lam: float = 0.3
-    order: int = 1
-    target: Literal["zero", "model_zero"] = "zero"
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.lam, (int, float)) or not math.isfinite(self.lam) or self.lam < 0:
-            raise ValueError(f"RootPurgeConfig.lam must be a finite number >= 0, got {self.lam!r}")
-        if not isinstance(self.order, int) or self.order < 1:
-            raise ValueError(f"RootPurgeConfig.order must be an integer >= 1, got {self.order!r}")
-        if self.target not in ("zero", "model_zero"):
-            raise ValueError(f"RootPurgeConfig.target must be 'zero' or 'model_zero', got {self.target!r}")
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """Adam training of a forecaster (spec §6: Adam, no weight decay, batch 64/128).
-
-    ``steps``: optimiser steps; ``lr``: Adam learning rate; ``batch_size``: windows per step
-    (drawn from a fresh permutation each epoch); ``weight_decay``: decoupled L2 (AdamW) baseline;
-    ``l1``: L1 penalty on the weights added to the loss; ``val_every``: when validation windows
-    are given, evaluate every this many steps and keep the weights with the lowest validation
-    MSE (the official training loop does this); ``seed``: initialisation and sampling seed.
-    """
-
-    steps: int = 5000
-    lr: float = 1e-3
-    batch_size: int = 64
-    weight_decay: float = 0.0
-    l1: float = 0.0
-    val_every: int = 50
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "val_every"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"TrainConfig.{name} must be an integer >= 1, got {v!r}")
-        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
-            raise ValueError(f"TrainConfig.lr must be a finite number > 0, got {self.lr!r}")
-        for name in ("weight_decay", "l1"):
-            v = getattr(self, name)
-            if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
-                raise ValueError(f"TrainConfig.{name} must be a finite number >= 0, got {v!r}")
-        if not isinstance(self.seed, int):
-            raise ValueError(f"TrainConfig.seed must be an integer, got {self.seed!r}")
-
-
-# --------------------------------------------------------------------------------------------
-# validation and windowing
-# --------------------------------------------------------------------------------------------
-
-
-def _as_tensor(a: ArrayLike, name: str, dtype: torch.dtype = torch.float64) -> Tensor:
-    if isinstance(a, Tensor):
-        t = a.detach().to(dtype)
-    elif isinstance(a, np.ndarray):
-        if not np.issubdtype(a.dtype, np.number):
-            raise TypeError(f"{name} must be numeric, got an array of dtype {a.dtype}")
-        t = torch.as_tensor(np.asarray(a, dtype=np.float64)).to(dtype)
-    elif isinstance(a, (list, tuple)):
-        t = torch.as_tensor(np.asarray(a, dtype=np.float64)).to(dtype)
-    else:
-        raise TypeError(f"{name} must be a numpy array or torch tensor, got {type(a).__name__}")
-    return t
-
-
-def _check_finite(t: Tensor, name: str) -> None:
-    if not bool(torch.isfinite(t).all()):
-        bad = int((~torch.isfinite(t)).sum())
-        raise ValueError(f"{name} holds {bad} non-finite value(s) (NaN/Inf); fill gaps first, e.g. by "
-                         "linear interpolation (pandas.Series.interpolate) as for the co2 series")
-
-
-def _check_int(v: Any, name: str, lo: int = 1) -> int:
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or int(v) < lo:
-        raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
-    return int(v)
-
-
-def as_series(series: ArrayLike, name: str = "series") -> Tensor:
-    """A series as a float64 tensor ``(T, C)`` (a 1-D series becomes one channel); checks finiteness."""
-    s = _as_tensor(series, name)
-    if s.ndim == 1:
-        s = s[:, None]
-    if s.ndim != 2:
-        raise ValueError(f"{name} must be 1-D (T,) or 2-D (T, C), got shape {tuple(s.shape)}")
-    if s.shape[0] == 0 or s.shape[1] == 0:
-        raise ValueError(f"{name} is empty (shape {tuple(s.shape)})")
-    _check_finite(s, name)
-    return s
-
-
-def make_windows(series: ArrayLike, lookback: int, horizon: int, stride: int = 1) -> tuple[Tensor, Tensor]:
-    """Sliding windows of a series.
-
-    ``series``: ``(T,)`` or ``(T, C)``. Returns ``X (N, L, C)`` and ``Y (N, H, C)`` (float64) with
-    ``N = (T - L - H) // stride + 1``; window ``i`` starts at ``i * stride``.
-    Raises ``ValueError`` when the series is shorter than ``L + H``.
-    """
-    L = _check_int(lookback, "lookback")
-    H = _check_int(horizon, "horizon")
-    stride = _check_int(stride, "stride")
-    s = as_series(series)
-    T = s.shape[0]
-    if T < L + H:
-        raise ValueError(f"series of length {T} is shorter than lookback + horizon = {L} + {H} = {L + H}; "
-                         "use a shorter lookback/horizon or a longer series")
-    win = s.unfold(0, L + H, stride)  # (N, C, L+H)
-    win = win.permute(0, 2, 1)
-    return win[:, :L, :].contiguous(), win[:, L:, :].contiguous()
-
-
-def _rows(X: ArrayLike, Y: ArrayLike | None, name_x: str = "X", name_y: str = "Y") -> tuple[Tensor, Tensor | None]:
-    """Channel-independent rows: ``(N, L[, C])`` -> ``(N*C, L)``; validates shapes and values."""
-    x = _as_tensor(X, name_x)
-    if x.ndim == 3:
-        x = x.permute(0, 2, 1).reshape(-1, x.shape[1])
-    if x.ndim != 2:
-        raise ValueError(f"{name_x} must have shape (N, L) or (N, L, C), got {tuple(x.shape)}")
-    if x.shape[0] < 1 or x.shape[1] < 1:
-        raise ValueError(f"{name_x} is empty (shape {tuple(x.shape)}); need N >= 1 windows")
-    _check_finite(x, name_x)
-    if Y is None:
-        return x, None
-    y = _as_tensor(Y, name_y)
-    if y.ndim == 3:
-        y = y.permute(0, 2, 1).reshape(-1, y.shape[1])
-    if y.ndim != 2:
-        raise ValueError(f"{name_y} must have shape (N, H) or (N, H, C), got {tuple(y.shape)}")
-    if y.shape[0] != x.shape[0]:
-        raise ValueError(f"{name_x} and {name_y} have different numbers of windows: "
-                         f"{name_x} {tuple(x.shape)} vs {name_y} {tuple(y.shape)}")
-    if y.shape[1] < 1:
-        raise ValueError(f"{name_y} is empty (shape {tuple(y.shape)})")
-    _check_finite(y, name_y)
-    return x, y
-
-
-def instance_normalize(x: Tensor, y: Tensor | None = None) -> tuple[Tensor, Tensor | None, Tensor]:
-    """Subtract each window's look-back mean (over the time axis 1) from ``x`` and ``y``.
-
-    Returns ``(x - m, y - m, m)`` with ``m`` of shape ``x.mean(1, keepdim=True)``.
-    """
-    m = x.mean(dim=1, keepdim=True)
-    return x - m, (None if y is None else y - m), m
-
-
-def _check_weight(W: ArrayLike, L: int | None = None, H: int | None = None, name: str = "W") -> Tensor:
-    w = _as_tensor(W, name)
-    if w.ndim != 2:
-        raise ValueError(f"{name} must be a 2-D (L, H) matrix, got shape {tuple(w.shape)}")
-    if (L is not None and w.shape[0] != L) or (H is not None and w.shape[1] != H):
-        raise ValueError(f"{name} has shape {tuple(w.shape)} but the data need (L, H) = ({L}, {H})")
-    _check_finite(w, name)
-    return w
-
-
-# --------------------------------------------------------------------------------------------
-# closed forms: OLS, RRR, DWRR, rank selection
-# --------------------------------------------------------------------------------------------
-
-
-def _pinv_solve(x: Tensor, y: Tensor, rcond: float, expected_rank: int) -> Tensor:
-    """Minimum-norm least squares ``x^+ y`` via the SVD of ``x``; small singular values zeroed."""
-    U, s, Vh = torch.linalg.svd(x, full_matrices=False)
-    smax = float(s.max()) if s.numel() else 0.0
-    keep = s > rcond * smax if smax > 0 else torch.zeros_like(s, dtype=torch.bool)
-    rank = int(keep.sum())
-    if rank < expected_rank:
-        warnings.warn(f"the look-back matrix has numerical rank {rank} < {expected_rank} (a constant, very "
-                      "short or noise-free low-order series); the pseudo-inverse returns the minimum-norm "
-                      "solution", 
-                      RuntimeWarning, stacklevel=3)
-    s_inv = torch.where(keep, 1.0 / torch.where(keep, s, torch.ones_like(s)), torch.zeros_like(s))
-    return Vh.T @ (s_inv[:, None] * (U.T @ y))
-
-
-def fit_ols(X: ArrayLike, Y: ArrayLike, instance_norm: bool = True, rcond: float = RCOND) -> Tensor:
-    """OLS forecaster ``W_ols = X^+ Y`` (spec §1), ``(L, H)`` float64.
-
-    ``X``: ``(N, L)`` or ``(N, L, C)`` look-backs; ``Y``: ``(N, H)`` or ``(N, H, C)`` futures (channels
-    are stacked as rows: one ``W`` shared by all channels). With ``instance_norm`` each window's
-    look-back mean is subtracted from both. The pseudo-inverse zeroes singular values below
-    ``rcond * s_max``; IN always removes one direction (the constant), which is expected.
-    """
-    x, y = _rows(X, Y)
-    if instance_norm:
-        m = x.mean(1, keepdim=True)
-        x, y = x - m, y - m
-    expected = min(x.shape[0], x.shape[1] - (1 if instance_norm else 0))
-    return _pinv_solve(x, y, rcond, expected)
-
-
-@dataclass
-class RRRPath:
-    """All reduced-rank solutions from one SVD (spec §2: changing r needs no refit).
-
-    ``W_ols``: ``(L, H)``; ``V``: ``(H, H')`` right singular vectors of the fitted outputs
-    ``X W_ols`` (columns sorted by singular value, ``H' = min(N, H)``); ``singular_values``.
-    """
-
-    W_ols: Tensor
-    V: Tensor
-    singular_values: Tensor
-
-    def weight(self, rank: int) -> Tensor:
-        """``W_rrr = W_ols V_r V_r^T`` of rank <= ``rank`` (``(L, H)``)."""
-        L, H = self.W_ols.shape
-        r = _check_rank(rank, L, H)
-        Vr = self.V[:, :r]
-        return self.W_ols @ Vr @ Vr.T
-
-
-def _check_rank(rank: Any, L: int, H: int) -> int:
-    if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)):
-        raise ValueError(f"rank must be an integer in [1, min(L, H)] = [1, {min(L, H)}] (L={L}, H={H}), got {rank!r}")
-    if not 1 <= int(rank) <= min(L, H):
-        raise ValueError(f"rank must be in [1, min(L, H)] = [1, {min(L, H)}] (L={L}, H={H}), got {rank}")
-    return int(rank)
-
-
-def rrr_path(X: ArrayLike, Y: ArrayLike, W: ArrayLike | None = None, instance_norm: bool = True,
-             rcond: float = RCOND) -> RRRPath:
-    """The SVD behind RRR: ``Y_hat = X W_ols = U S V^T`` on the (IN-normalised) training windows."""
-    x, y = _rows(X, Y)
-    if instance_norm:
-        m = x.mean(1, keepdim=True)
-        x, y = x - m, y - m
-    if W is None:
-        expected = min(x.shape[0], x.shape[1] - (1 if instance_norm else 0))
-        w = _pinv_solve(x, y, rcond, expected)
-    else:
-        w = _check_weight(W, x.shape[1], y.shape[1])
-    y_hat = x @ w
-    _, s, Vh = torch.linalg.svd(y_hat, full_matrices=False)
-    return RRRPath(W_ols=w, V=Vh.T, singular_values=s)
-
-
-def reduced_rank_regression(X: ArrayLike, Y: ArrayLike, rank: int, W: ArrayLike | None = None,
-                            instance_norm: bool = True, rcond: float = RCOND) -> Tensor:
-    """Reduced-rank regression (spec §2): ``W_rrr = W_ols V_r V_r^T``, ``(L, H)``.
-
-    ``V_r`` holds the top-``rank`` right singular vectors of the fitted training outputs
-    ``X W_ols``. ``W_rrr`` minimises the training squared error over all ``W`` of rank <= ``rank``
-    (the Eckart-Young argument on ``X W``). ``W`` may pass a precomputed OLS weight.
-    """
-    x = _as_tensor(X, "X")
-    y = _as_tensor(Y, "Y")
-    L = x.shape[1] if x.ndim >= 2 else 0
-    H = y.shape[1] if y.ndim >= 2 else 0
-    _check_rank(rank, L, H)
-    return rrr_path(x, y, W=W, instance_norm=instance_norm, rcond=rcond).weight(rank)
-
-
-def dwrr(W: ArrayLike, rank: int) -> Tensor:
-    """Direct weight rank reduction (spec §3): truncated SVD ``U_r S_r V_r^T`` of any ``(L, H)`` weight."""
-    w = _check_weight(W)
-    r = _check_rank(rank, *w.shape)
-    U, s, Vh = torch.linalg.svd(w, full_matrices=False)
-    return (U[:, :r] * s[:r]) @ Vh[:r]
-
-
-def predict_linear(W: ArrayLike, X: ArrayLike, instance_norm: bool = True) -> Tensor:
-    """Forecast of a linear weight: ``(x - m) W + m``. ``X (N, L)`` -> ``(N, H)``; ``(N, L, C)`` -> ``(N, H, C)``."""
-    w = _check_weight(W)
-    x = _as_tensor(X, "X")
-    if x.ndim not in (2, 3) or x.shape[1] != w.shape[0]:
-        raise ValueError(f"X must have shape (N, L) or (N, L, C) with L = {w.shape[0]}, got {tuple(x.shape)}")
-    _check_finite(x, "X")
-    m = x.mean(1, keepdim=True) if instance_norm else torch.zeros_like(x[:, :1])
-    if x.ndim == 2:
-        return (x - m) @ w + m
-    return torch.einsum("nlc,lh->nhc", x - m, w) + m
-
-
-@dataclass
-class RankSelection:
-    """Result of :func:`select_rank`: the chosen rank (lowest validation MSE), the curve, the weight."""
-
-    method: str
-    rank: int
-    ranks: list[int]
-    val_mse: list[float]
-    weight: Tensor
-
-
-def default_ranks(L: int, H: int, step: int = 6) -> list[int]:
-    """The official sweep ``{6, 12, ..., min(L, H)}`` (plus ``min(L, H)`` itself when not a multiple)."""
-    top = min(L, H)
-    rs = list(range(step, top + 1, step)) or [top]
-    if rs[-1] != top:
-        rs.append(top)
-    return rs
-
-
-def select_rank(X: ArrayLike, Y: ArrayLike, X_val: ArrayLike, Y_val: ArrayLike, ranks: Sequence[int] | None = None,
-                method: Literal["rrr", "dwrr"] = "rrr", W: ArrayLike | None = None, instance_norm: bool = True,
-                rcond: float = RCOND) -> RankSelection:
-    """Pick the rank of RRR or DWRR by validation MSE only (spec §4; the test split is never used).
-
-    ``ranks`` defaults to ``{6, 12, ..., min(L, H)}``. ``W`` is the weight to reduce (default: OLS
-    on ``X, Y``; for DWRR it may be any trained weight).
-    """
-    if method not in ("rrr", "dwrr"):
-        raise ValueError(f"method must be 'rrr' or 'dwrr', got {method!r}")
-    path = rrr_path(X, Y, W=W, instance_norm=instance_norm, rcond=rcond)
-    L, H = path.W_ols.shape
-    rs = default_ranks(L, H) if ranks is None else [_check_rank(r, L, H) for r in ranks]
-    if not rs:
-        raise ValueError("ranks is empty")
-    xv, yv = _rows(X_val, Y_val, "X_val", "Y_val")
-    if xv.shape[1] != L or yv.shape[1] != H:
-        raise ValueError(f"validation windows have (L, H) = ({xv.shape[1]}, {yv.shape[1]}), training has ({L}, {H})")
-    if method == "dwrr":
-        U, s, Vh = torch.linalg.svd(path.W_ols, full_matrices=False)
-    curve: list[float] = []
-    weights: list[Tensor] = []
-    for r in rs:
-        w = path.weight(r) if method == "rrr" else (U[:, :r] * s[:r]) @ Vh[:r]
-        curve.append(float(((predict_linear(w, xv, instance_norm) - yv) ** 2).mean()))
-        weights.append(w)
-    best = int(np.argmin(curve))
-    return RankSelection(method=method, rank=rs[best], ranks=rs, val_mse=curve, weight=weights[best])
-
-
-def singular_values(W: ArrayLike) -> np.ndarray:
-    """Singular values of a weight, descending (numpy float64)."""
-    return torch.linalg.svdvals(_check_weight(W)).numpy()
-
-
-def tail_singular_sum(W: ArrayLike, fraction: float = 0.8) -> float:
-    """Sum of the bottom ``fraction`` of the singular values of ``W`` (spec claim 4's statistic)."""
-    if not 0 < fraction <= 1:
-        raise ValueError(f"fraction must be in (0, 1], got {fraction}")
-    s = singular_values(W)
-    k = int(round(fraction * len(s)))
-    return float(s[len(s) - k:].sum()) if k else 0.0
-
-
-# --------------------------------------------------------------------------------------------
-# characteristic roots
-# --------------------------------------------------------------------------------------------
-
-
-def effective_weight(W: ArrayLike, instance_norm: bool = True) -> Tensor:
-    """The plain linear map of a forecaster: with IN, ``y = x (P W + 1 1^T / L)`` with ``P = I - 1 1^T / L``."""
-    w = _check_weight(W)
-    if not instance_norm:
-        return w
-    L, H = w.shape
-    return w - w.mean(0, keepdim=True) + torch.full((L, H), 1.0 / L, dtype=w.dtype)
-
-
-def characteristic_roots(W: ArrayLike, step: int = 1, instance_norm: bool = True) -> np.ndarray:
-    """Characteristic roots of the recurrence encoded by column ``step`` of a linear forecaster.
-
-    Column ``h`` predicts ``x_{s+L-1+h} = sum_j c_j x_{s+j}`` (``c`` = column ``h`` of the effective
-    weight, IN folded in), i.e. the polynomial ``z^{L-1+h} - sum_{j=0}^{L-1} c_j z^j``. For ``h = 1``
-    this is ``z^L - sum_i w_i z^{L-i}`` with ``w_i`` the coefficient of lag ``i``: a noise-free AR
-    process is reproduced with its own roots among these ``L`` roots. Returns a complex array of
-    ``L - 1 + step`` roots sorted by decreasing modulus. With IN, ``z = 1`` is always a root.
-    """
-    w = effective_weight(W, instance_norm)
-    L, H = w.shape
-    h = _check_int(step, "step")
-    if h > H:
-        raise ValueError(f"step must be in [1, H] = [1, {H}], got {h}")
-    c = w[:, h - 1].numpy()
-    coeffs = np.concatenate([[1.0], np.zeros(h - 1), -c[::-1]])
-    roots = np.roots(coeffs)
-    return roots[np.argsort(-np.abs(roots), kind="stable")]
-
-
-def root_distance(learned: ArrayLike, true: ArrayLike) -> float:
-    """Mean distance of each true root to a distinct learned root (optimal one-to-one matching).
-
-    A root-recovery score in the complex plane (lower is better); the matching is the
-    Hungarian assignment (scipy) of true roots to learned roots.
-    """
-    from scipy.optimize import linear_sum_assignment
-
-    a = np.asarray(learned, dtype=np.complex128).ravel()
-    b = np.asarray(true, dtype=np.complex128).ravel()
-    if a.size < b.size or b.size == 0:
-        raise ValueError(f"need at least as many learned roots ({a.size}) as true roots ({b.size} >= 1)")
-    cost = np.abs(b[:, None] - a[None, :])
-    rows, cols = linear_sum_assignment(cost)
-    return float(cost[rows, cols].mean())
-
-
-def ar_roots(coefficients: ArrayLike) -> np.ndarray:
-    """Roots of ``z^p - sum_{i=1}^p a_i z^{p-i}`` for an AR(p) process ``x_t = sum_i a_i x_{t-i}``."""
-    a = np.asarray(coefficients, dtype=np.float64).ravel()
-    return np.roots(np.concatenate([[1.0], -a]))
-
-
-# --------------------------------------------------------------------------------------------
-# forecaster modules
-# --------------------------------------------------------------------------------------------
-
-
-class LinearForecaster(nn.Module):
-    """Bias-free linear forecaster, ``x (B, L, C) -> (B, H, C)`` (spec §7, "Linear").
-
-    ``individual=False`` shares one ``(L, H)`` weight across channels (channel independence, CI);
-    ``individual=True`` holds one per channel (``weight`` of shape ``(C, L, H)``). The weight is
-    initialised like ``nn.Linear(L, H)`` (uniform in ``+-1/sqrt(L)``). ``instance_norm`` subtracts
-    the look-back mean and adds it back. ``core`` is the map without IN (what Root Purge applies
-    to residuals). A 2-D input ``(B, L)`` is read as one channel.
-    """
-
-    def __init__(self, L: int, H: int, channels: int = 1, individual: bool = False, instance_norm: bool = True,
-                 generator: torch.Generator | None = None) -> None:
-        super().__init__()
-        self.L, self.H = _check_int(L, "L"), _check_int(H, "H")
-        self.channels = _check_int(channels, "channels")
-        self.individual = bool(individual)
-        self.instance_norm = bool(instance_norm)
-        g = self.channels if self.individual else 1
-        bound = 1.0 / math.sqrt(self.L)
-        w = torch.rand(g, self.L, self.H, generator=generator) * 2 * bound - bound
-        self.weight = nn.Parameter(w)
-
-    @classmethod
-    def from_weight(cls, W: ArrayLike, instance_norm: bool = True) -> "LinearForecaster":
-        w = _as_tensor(W, "W", torch.float32)
-        if w.ndim == 2:
-            w = w[None]
-        if w.ndim != 3:
-            raise ValueError(f"W must be (L, H) or (C, L, H), got {tuple(w.shape)}")
-        m = cls(w.shape[1], w.shape[2], channels=w.shape[0], individual=w.shape[0] > 1, instance_norm=instance_norm)
-        with torch.no_grad():
-            m.weight.copy_(w)
-        return m
-
-    def core(self, x: Tensor) -> Tensor:
-        """The bias-free linear map on (already normalised) ``x (B, L, C)`` -> ``(B, H, C)``."""
-        if self.individual:
-            if x.shape[-1] != self.weight.shape[0]:
-                raise ValueError(f"individual forecaster has {self.weight.shape[0]} channels, input has {x.shape[-1]}")
-            return torch.einsum("blc,clh->bhc", x, self.weight)
-        return torch.einsum("blc,lh->bhc", x, self.weight[0])
-
-    def forward(self, x: Tensor) -> Tensor:
-        squeeze = x.ndim == 2
-        if squeeze:
-            x = x[..., None]
-        if self.instance_norm:
-            m = x.mean(1, keepdim=True)
-            y = self.core(x - m) + m
-        else:
-            y = self.core(x)
-        return y[..., 0] if squeeze else y
-
-    def linear_weight(self) -> Tensor:
-        """The ``(L, H)`` (or ``(C, L, H)``) matrix of the core map, detached."""
-        w = self.weight.detach()
-        return w[0] if not self.individual else w
-
-
-class FrequencyLinearForecaster(nn.Module):
-    """Frequency-domain linear backbone (spec §7; FITS with ``cutoff``).
-
-    rFFT of the look-back (``L//2+1`` bins, the lowest ``cutoff`` kept), complex linear map to
-    ``(L+H)//2+1`` bins, irFFT to length ``L+H``, times ``(L+H)/L``, keep the last ``H`` steps.
-    The map is linear in ``x``; :meth:`linear_weight` returns its equivalent ``(L, H)`` matrix.
-    """
-
-    def __init__(self, L: int, H: int, cutoff: int | None = None, instance_norm: bool = True,
-                 generator: torch.Generator | None = None) -> None:
-        super().__init__()
-        self.L, self.H = _check_int(L, "L"), _check_int(H, "H")
-        self.instance_norm = bool(instance_norm)
-        nin = self.L // 2 + 1
-        self.cutoff = nin if cutoff is None else _check_int(cutoff, "cutoff")
-        if self.cutoff > nin:
-            raise ValueError(f"cutoff must be in [1, L//2+1] = [1, {nin}], got {cutoff}")
-        self.n_out = (self.L + self.H) // 2 + 1
-        k = 1.0 / math.sqrt(self.cutoff)
-        re = torch.rand(self.cutoff, self.n_out, generator=generator) * 2 * k - k
-        im = torch.rand(self.cutoff, self.n_out, generator=generator) * 2 * k - k
-        self.weight_re = nn.Parameter(re)
-        self.weight_im = nn.Parameter(im)
-        self.individual = False
-
-    def core(self, x: Tensor) -> Tensor:
-        spec = torch.fft.rfft(x, dim=1)[:, : self.cutoff, :]  # (B, F, C)
-        w = torch.complex(self.weight_re, self.weight_im)
-        out = torch.einsum("bfc,fo->boc", spec, w)
-        y = torch.fft.irfft(out, n=self.L + self.H, dim=1) * ((self.L + self.H) / self.L)
-        return y[:, -self.H:, :]
-
-    def forward(self, x: Tensor) -> Tensor:
-        squeeze = x.ndim == 2
-        if squeeze:
-            x = x[..., None]
-        if self.instance_norm:
-            m = x.mean(1, keepdim=True)
-            y = self.core(x - m) + m
-        else:
-            y = self.core(x)
-        return y[..., 0] if squeeze else y
-
-    def linear_weight(self) -> Tensor:
-        with torch.no_grad():
-            eye = torch.eye(self.L, dtype=self.weight_re.dtype)[:, :, None]  # (L batch, L, 1)
-            return self.core(eye)[..., 0].detach()
-
-
-class DLinearForecaster(nn.Module):
-    """DLinear baseline: moving-average trend (kernel 25, edge-replicated) + seasonal, two linear heads.
-
-    Linear in ``x`` overall; :meth:`linear_weight` returns the equivalent ``(L, H)`` matrix.
-    """
-
-    def __init__(self, L: int, H: int, kernel: int = 25, instance_norm: bool = False,
-                 generator: torch.Generator | None = None) -> None:
-        super().__init__()
-        self.L, self.H = _check_int(L, "L"), _check_int(H, "H")
-        self.kernel = _check_int(kernel, "kernel")
-        self.instance_norm = bool(instance_norm)
-        self.individual = False
-        bound = 1.0 / math.sqrt(self.L)
-        self.w_trend = nn.Parameter(torch.rand(self.L, self.H, generator=generator) * 2 * bound - bound)
-        self.w_season = nn.Parameter(torch.rand(self.L, self.H, generator=generator) * 2 * bound - bound)
-
-    def _trend(self, x: Tensor) -> Tensor:
-        k = self.kernel
-        front = x[:, :1, :].expand(-1, (k - 1) // 2, -1)
-        back = x[:, -1:, :].expand(-1, k // 2, -1)
-        xp = torch.cat([front, x, back], dim=1)  # (B, L + k - 1, C)
-        return xp.unfold(1, k, 1).mean(-1)
-
-    def core(self, x: Tensor) -> Tensor:
-        trend = self._trend(x)
-        season = x - trend
-        return torch.einsum("blc,lh->bhc", trend, self.w_trend) + torch.einsum("blc,lh->bhc", season, self.w_season)
-
-    def forward(self, x: Tensor) -> Tensor:
-        squeeze = x.ndim == 2
-        if squeeze:
-            x = x[..., None]
-        if self.instance_norm:
-            m = x.mean(1, keepdim=True)
-            y = self.core(x - m) + m
-        else:
-            y = self.core(x)
-        return y[..., 0] if squeeze else y
-
-    def linear_weight(self) -> Tensor:
-        with torch.no_grad():
-            eye = torch.eye(self.L, dtype=self.w_trend.dtype)[:, :, None]
-            return self.core(eye)[..., 0].detach()
-
-
-# --------------------------------------------------------------------------------------------
-# Root Purge loss
-# --------------------------------------------------------------------------------------------
-
-
-def adapt_length(e: Tensor, L: int, generator: torch.Generator | None = None, offsets: Tensor | None = None) -> Tensor:
-    """Bring a residual ``e (B, H, C)`` to the input length ``L`` (spec §5).
-
-    ``L == H``: unchanged. ``L < H``: the first ``L`` steps. ``L > H``: zero-pad by ``L - H`` on both
-    sides (length ``2L - H``) and take one random contiguous length-``L`` window per (sample,
-    channel); the window starts are drawn uniformly from ``[0, L - H]`` with ``generator`` (or
-    passed as ``offsets (B, C)``).
-    """
-    B, H, C = e.shape
-    if L == H:
-        return e
-    if L < H:
-        return e[:, :L, :]
-    pad = L - H
-    ep = torch.nn.functional.pad(e.permute(0, 2, 1), (pad, pad))  # (B, C, 2L-H)
-    if offsets is None:
-        offsets = torch.randint(0, pad + 1, (B, C), generator=generator)
-    idx = offsets.to(e.device)[:, :, None] + torch.arange(L, device=e.device)  # (B, C, L)
-    return torch.gather(ep, 2, idx).permute(0, 2, 1)
-
-
-def _core_and_norm(model: nn.Module, instance_norm: bool | None) -> tuple[Callable[[Tensor], Tensor], bool]:
-    core = getattr(model, "core", None)
-    model_in = getattr(model, "instance_norm", None)
-    if callable(core) and isinstance(model_in, bool):
-        # rankwise forecasters: IN handled here, the purge applies the bias-free core (as the official wrapper)
-        return core, model_in if instance_norm is None else bool(instance_norm)
-    return model, bool(instance_norm)
-
-
-class RootPurgeLoss(nn.Module):
-    """Root Purge training loss, a drop-in wrapper around any forecaster module (spec §5).
-
-    ``loss = MSE(f(x), y) + lam * c^k * MSE(f^k(e), target)`` with ``e = stopgrad(y - f(x))`` brought
-    to length ``L`` before each application of ``f``, ``c = max(L/H, 1)``, ``k = order``.
-
-    ``model`` maps ``(B, L, C) -> (B, H, C)``. For rankwise forecasters (they expose ``core`` and
-    ``instance_norm``) the loss normalises the windows itself and applies ``core``, exactly as the
-    official wrapper. Any other module is applied as is; pass ``instance_norm=True`` to have the
-    loss normalise ``x``/``y`` for it (the module must then also be fed normalised inputs at
-    inference). The wrapper changes only the training loss, never inference.
-
-    Returns ``dict(loss=, fit=, purge=)`` (scalars; ``purge`` is the unweighted purge MSE).
-    """
-
-    def __init__(self, lam: float = 0.3, order: int = 1, target: Literal["zero", "model_zero"] = "zero",
-                 instance_norm: bool | None = None, generator: torch.Generator | None = None) -> None:
-        super().__init__()
-        self.config = RootPurgeConfig(lam=lam, order=order, target=target)
-        self.instance_norm = instance_norm
-        self.generator = generator
-
-    @classmethod
-    def from_config(cls, config: RootPurgeConfig, **kw: Any) -> "RootPurgeLoss":
-        return cls(lam=config.lam, order=config.order, target=config.target, **kw)
-
-    def forward(self, model: nn.Module, x: Tensor, y: Tensor) -> dict[str, Tensor]:
-        squeeze = x.ndim == 2
-        if squeeze:
-            x, y = x[..., None], y[..., None]
-        if x.ndim != 3 or y.ndim != 3 or x.shape[0] != y.shape[0] or x.shape[2] != y.shape[2]:
-            raise ValueError(f"x must be (B, L, C) and y (B, H, C) with the same B and C; got {tuple(x.shape)}, "
-                             f"{tuple(y.shape)}")
-        f, use_in = _core_and_norm(model, self.instance_norm)
-        if use_in:
-            m = x.mean(1, keepdim=True)
-            x, y = x - m, y - m
-        L, H = x.shape[1], y.shape[1]
-        y_hat = f(x)
-        fit = torch.nn.functional.mse_loss(y_hat, y)
-        cfg = self.config
-        if cfg.lam == 0:
-            zero = fit.new_zeros(())
-            return {"loss": fit, "fit": fit, "purge": zero}
-        r = (y - y_hat).detach()
-        for _ in range(cfg.order):
-            r = f(adapt_length(r, L, self.generator))
-        if cfg.target == "zero":
-            tgt = torch.zeros_like(r)
-        else:
-            tgt = f(torch.zeros_like(x)).detach()
-        purge = torch.nn.functional.mse_loss(r, tgt)
-        c = max(L / H, 1.0)
-        return {"loss": fit + cfg.lam * c ** cfg.order * purge, "fit": fit, "purge": purge}
-
-
-# --------------------------------------------------------------------------------------------
-# training
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass
-class TrainResult:
-    """What :func:`train_forecaster` returns.
-
-    ``history``: per logged step ``{"step", "loss", "fit", "purge"[, "val_mse"]}``; ``best_step``:
-    step of the kept weights (the last step without validation data); ``best_val_mse``.
-    """
-
-    history: list[dict[str, float]] = field(default_factory=list)
-    best_step: int = 0
-    best_val_mse: float = float("nan")
-
-
-def _window_batches(N: int, batch: int, steps: int, g: torch.Generator):
-    """Indices of each step's batch: consecutive chunks of a fresh permutation per epoch (drop last)."""
-    b = min(batch, N)
-    perm = torch.randperm(N, generator=g)
-    pos = 0
-    for _ in range(steps):
-        if pos + b > N:
-            perm = torch.randperm(N, generator=g)
-            pos = 0
-        yield perm[pos: pos + b]
-        pos += b
-
-
-def _as_windows(X: ArrayLike, name: str) -> Tensor:
-    x = _as_tensor(X, name, torch.float32)
-    if x.ndim == 2:
-        x = x[..., None]
-    if x.ndim != 3 or x.shape[0] < 1:
-        raise ValueError(f"{name} must be (N, T) or (N, T, C) with N >= 1, got {tuple(x.shape)}")
-    _check_finite(x, name)
-    return x
-
-
-def train_forecaster(model: nn.Module, X: ArrayLike, Y: ArrayLike, train: TrainConfig = TrainConfig(),
-                     purge: RootPurgeConfig | None = None, X_val: ArrayLike | None = None,
-                     Y_val: ArrayLike | None = None) -> TrainResult:
-    """Train any forecaster module in place with Adam on windows ``X (N, L, C)``, ``Y (N, H, C)``.
-
-    ``purge=None`` trains with plain MSE ("Linear" baseline); a :class:`RootPurgeConfig` adds the
-    Root Purge term. ``train.weight_decay`` switches to AdamW (decoupled L2), ``train.l1`` adds
-    ``l1 * sum |theta|``. With validation windows, the weights with the lowest validation MSE
-    (checked every ``train.val_every`` steps and at the end) are restored at the end.
-    Raises :class:`NumericalError` if the loss becomes non-finite.
-    """
-    x, y = _as_windows(X, "X"), _as_windows(Y, "Y")
-    if x.shape[0] != y.shape[0] or x.shape[2] != y.shape[2]:
-        raise ValueError(f"X and Y must have the same N and C; got {tuple(x.shape)} and {tuple(y.shape)}")
-    has_val = X_val is not None and Y_val is not None
-    if has_val:
-        xv, yv = _as_windows(X_val, "X_val"), _as_windows(Y_val, "Y_val")
-    g = torch.Generator().manual_seed(train.seed)
-    crit = RootPurgeLoss.from_config(purge or RootPurgeConfig(lam=0.0), generator=g)
-    params = [p for p in model.parameters() if p.requires_grad]
-    if not params:
-        raise ValueError("model has no trainable parameters")
-    if train.weight_decay > 0:
-        opt: torch.optim.Optimizer = torch.optim.AdamW(params, lr=train.lr, weight_decay=train.weight_decay)
-    else:
-        opt = torch.optim.Adam(params, lr=train.lr)
-    res = TrainResult()
-    best_state: dict[str, Tensor] | None = None
-    was_training = model.training
-    model.train()
-
-    def val_mse() -> float:
-        model.eval()
-        with torch.no_grad():
-            v = float(((model(xv) - yv) ** 2).mean())
-        model.train()
-        return v
-
-    for step, idx in enumerate(_window_batches(x.shape[0], train.batch_size, train.steps, g), start=1):
-        out = crit(model, x[idx], y[idx])
-        loss = out["loss"]
-        if train.l1 > 0:
-            loss = loss + train.l1 * sum(p.abs().sum() for p in params)
-        if not torch.isfinite(loss):
-            raise NumericalError(f"training loss became non-finite at step {step} (lr={train.lr}); lower the lr")
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        if step % train.val_every == 0 or step == train.steps:
-            rec = {"step": float(step), "loss": float(loss.detach()), "fit": float(out["fit"].detach()),
-                   "purge": float(out["purge"].detach())}
-            if has_val:
-                v = val_mse()
-                rec["val_mse"] = v
-                if not (v >= res.best_val_mse):  # also true while best is NaN
-                    res.best_val_mse, res.best_step = v, step
-                    best_state = {k: t.detach().clone() for k, t in model.state_dict().items()}
-            res.history.append(rec)
-    if best_state is not None:
-        model.load_state_dict(best_state)
-    elif not has_val:
-        res.best_step = train.steps
-    model.train(was_training)
-    return res
-
-
-def fit_linear_ensemble(X: Tensor, Y: Tensor, lams: Sequence[float] | Tensor, train: TrainConfig = TrainConfig(),
-                        order: int = 1, X_val: Tensor | None = None, Y_val: Tensor | None = None,
-                        instance_norm: bool = True,
-                        weight_decays: Sequence[float] | None = None) -> tuple[Tensor, Tensor]:
-    """Train ``S`` independent bias-free linear forecasters at once (vectorised sweeps).
-
-    ``X (S, N, L)``, ``Y (S, N, H)``: member ``s`` trains on its own windows (one channel) with its
-    own Root Purge weight ``lams[s]`` (0 = plain MSE), by Adam with the same hyper-parameters.
-    Each member's gradient is exactly that of training it alone (losses are summed); the batch
-    indices are shared across members. With ``S = 1`` the result equals
-    :func:`train_forecaster` on a :class:`LinearForecaster` with the same seed (same draws).
-    ``weight_decays`` (one per member, default ``train.weight_decay`` for all) applies AdamW's
-    decoupled decay ``W <- W (1 - lr * wd)`` before each Adam update, member by member.
-    Returns ``(W (S, L, H), best_val_mse (S,))`` (validation selection per member as in
-    :func:`train_forecaster`).
-    """
-    x = _as_tensor(X, "X", torch.float32)
-    y = _as_tensor(Y, "Y", torch.float32)
-    if x.ndim != 3 or y.ndim != 3 or x.shape[:2] != y.shape[:2]:
-        raise ValueError(f"X must be (S, N, L) and Y (S, N, H) with the same S, N; got {tuple(x.shape)}, {tuple(y.shape)}")
-    _check_finite(x, "X")
-    _check_finite(y, "Y")
-    S, N, L = x.shape
-    H = y.shape[2]
-    lam = torch.as_tensor(lams, dtype=torch.float32).reshape(-1)
-    if lam.numel() != S or bool((lam < 0).any()) or not bool(torch.isfinite(lam).all()):
-        raise ValueError(f"lams must hold {S} finite values >= 0, got {lam.tolist()}")
-    _check_int(order, "order")
-    g_init = torch.Generator().manual_seed(train.seed)
-    bound = 1.0 / math.sqrt(L)
-    # same initial draws as S LinearForecaster(L, H, generator=g_init) built one after another
-    W = nn.Parameter(torch.stack([torch.rand(1, L, H, generator=g_init)[0] * 2 * bound - bound for _ in range(S)]))
-    g = torch.Generator().manual_seed(train.seed)
-    wd = torch.as_tensor([train.weight_decay] * S if weight_decays is None else list(weight_decays),
-                         dtype=torch.float32).reshape(-1)
-    if wd.numel() != S or bool((wd < 0).any()) or not bool(torch.isfinite(wd).all()):
-        raise ValueError(f"weight_decays must hold {S} finite values >= 0, got {wd.tolist()}")
-    decay = (1.0 - train.lr * wd)[:, None, None]
-    opt = torch.optim.Adam([W], lr=train.lr)
-    has_val = X_val is not None and Y_val is not None
-    if has_val:
-        xv = _as_tensor(X_val, "X_val", torch.float32)
-        yv = _as_tensor(Y_val, "Y_val", torch.float32)
-        if instance_norm:
-            mv = xv.mean(2, keepdim=True)
-            xv, yv = xv - mv, yv - mv
-    best = torch.full((S,), float("inf"))
-    best_W = W.detach().clone()
-    c = max(L / H, 1.0)
-    for step, idx in enumerate(_window_batches(N, train.batch_size, train.steps, g), start=1):
-        xb, yb = x[:, idx], y[:, idx]  # (S, B, L)
-        if instance_norm:
-            m = xb.mean(2, keepdim=True)
-            xb, yb = xb - m, yb - m
-        yh = torch.bmm(xb, W)
-        fit = ((yh - yb) ** 2).mean(dim=(1, 2))  # (S,)
-        loss_s = fit
-        if bool((lam > 0).any()):
-            r = (yb - yh).detach()
-            for _ in range(order):
-                # adapt_length works on (B, H, C): members play the role of channels
-                r = adapt_length(r.permute(1, 2, 0), L, g).permute(2, 0, 1)
-                r = torch.bmm(r, W)
-            loss_s = loss_s + lam * c ** order * (r ** 2).mean(dim=(1, 2))
-        loss = loss_s.sum()
-        if train.l1 > 0:
-            loss = loss + train.l1 * W.abs().sum()
-        if not torch.isfinite(loss):
-            raise NumericalError(f"ensemble training loss became non-finite at step {step} (lr={train.lr})")
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if bool((wd > 0).any()):
-            with torch.no_grad():
-                W.mul_(decay)
-        opt.step()
-        if has_val and (step % train.val_every == 0 or step == train.steps):
-            with torch.no_grad():
-                v = ((torch.bmm(xv, W) - yv) ** 2).mean(dim=(1, 2))
-            better = v < best
-            best = torch.where(better, v, best)
-            best_W[better] = W.detach()[better]
-    if not has_val:
-        return W.detach().clone(), torch.full((S,), float("nan"))
-    return best_W, best
-
 
 # --------------------------------------------------------------------------------------------
 # the estimator
@@ -946,14 +129,11 @@ class Forecaster:
                  ranks: Sequence[int] | None = None, purge: RootPurgeConfig | None = None,
                  train: TrainConfig | None = None, backbone: str = "linear",
                  channel_mode: str = "independent", instance_norm: bool = True, rcond: float = RCOND) -> None:
-        self.L = _check_int(lookback, "lookback")
-        self.H = _check_int(horizon, "horizon")
-        if method not in _METHODS:
-            raise ValueError(f"method must be one of {_METHODS}, got {method!r}")
-        if backbone not in _BACKBONES:
-            raise ValueError(f"backbone must be one of {_BACKBONES}, got {backbone!r}")
-        if channel_mode not in _CHANNEL_MODES:
-            raise ValueError(f"channel_mode must be one of {_CHANNEL_MODES}, got {channel_mode!r}")
+        self.L = check_int("lookback", lookback, 1)
+        self.H = check_int("horizon", horizon, 1)
+        check_choice("method", method, _METHODS)
+        check_choice("backbone", backbone, _BACKBONES)
+        check_choice("channel_mode", channel_mode, _CHANNEL_MODES)
         if rank is not None:
             _check_rank(rank, self.L, self.H)
         if ranks is not None:
@@ -1162,7 +342,7 @@ class ARBaseline:
         if s.shape[1] != 1:
             raise ValueError("ARBaseline is univariate; pass one channel")
         s = s[:, 0]
-        maxlag = _check_int(maxlag, "maxlag")
+        maxlag = check_int("maxlag", maxlag, 1)
         sel = ar_select_order(s, maxlag=maxlag, ic=ic, trend="c")
         lags = sel.ar_lags
         p = int(max(lags)) if lags else 0

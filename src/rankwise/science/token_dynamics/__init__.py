@@ -23,7 +23,7 @@ points ``+1`` (collapse) and ``-1`` (antipodal pair); :func:`two_token_drift_dif
 coefficients and :func:`lyapunov_exponents` the stability of both ends.
 
 Everything numerical is float64 numpy, vectorised over independent runs (and over ``beta`` for a
-phase diagram). The torch part at the end holds :class:`SphereTransformer`, a trainable deep
+phase diagram). The torch part (:mod:`.transformer`) holds :class:`SphereTransformer`, a trainable deep
 Transformer with the same layer, and :class:`StochasticValueInit`, which re-initialises the value
 projections of any torch Transformer (GPT-2, BERT, Llama, ``nn.MultiheadAttention``).
 """
@@ -43,10 +43,11 @@ from typing import Any, Callable, Literal, Sequence
 
 import numpy as np
 import torch
-from torch import nn
 
-from rankwise.core.errors import NumericalError, SelectionError
+from rankwise.core.errors import NumericalError
 from rankwise.core.registry import register
+from rankwise.core.validate import check_bool, check_choice, check_int, check_number, check_positive, check_unit
+from rankwise.science.token_dynamics.transformer import SphereTransformer, StochasticValueInit, hidden_state_grams
 
 __all__ = [
     "TokenDynamicsConfig",
@@ -75,19 +76,6 @@ DEGENERATE_FLOOR = 1e-12
 MAX_RESAMPLES = 100
 # Memory guard for trajectories kept in RAM (float64 bytes).
 MAX_TRAJ_BYTES = 2 * 1024**3
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
-
-
-def _finite_float(name: str, x: Any) -> float:
-    if isinstance(x, bool) or not isinstance(x, (int, float, np.integer, np.floating)):
-        raise TypeError(f"{name} must be a real number, got {type(x).__name__} ({x!r})")
-    x = float(x)
-    if not math.isfinite(x):
-        raise ValueError(f"{name} must be finite, got {x}")
-    return x
 
 
 # --------------------------------------------------------------------------------------------------
@@ -139,46 +127,25 @@ class TokenDynamicsConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("n_tokens", "dim", "runs", "record_every", "seed"):
-            v = getattr(self, name)
-            if not _is_int(v):
-                raise TypeError(f"TokenDynamicsConfig.{name} must be an int, got {type(v).__name__} ({v!r})")
-        if self.n_tokens < 1:
-            raise ValueError(f"TokenDynamicsConfig.n_tokens must be >= 1, got {self.n_tokens}")
-        if self.dim < 2:
-            raise ValueError(f"TokenDynamicsConfig.dim must be >= 2 (tokens on the sphere S^(d-1)), got {self.dim}")
-        if self.runs < 1:
-            raise ValueError(f"TokenDynamicsConfig.runs must be >= 1, got {self.runs}")
-        if self.record_every < 1:
-            raise ValueError(f"TokenDynamicsConfig.record_every must be >= 1, got {self.record_every}")
-        if self.seed < 0:
-            raise ValueError(f"TokenDynamicsConfig.seed must be >= 0, got {self.seed}")
-        beta = _finite_float("TokenDynamicsConfig.beta", self.beta)
+        check_int("TokenDynamicsConfig.n_tokens", self.n_tokens, 1)
+        check_int("TokenDynamicsConfig.dim", self.dim, 2)  # tokens on the sphere S^(d-1)
+        check_int("TokenDynamicsConfig.runs", self.runs, 1)
+        check_int("TokenDynamicsConfig.record_every", self.record_every, 1)
+        check_int("TokenDynamicsConfig.seed", self.seed, 0)
+        beta = check_number("TokenDynamicsConfig.beta", self.beta)
         if beta < 0:
             warnings.warn(f"TokenDynamicsConfig.beta={beta} < 0: repulsive attention, outside the paper's setting",
                           stacklevel=3)
-        T = _finite_float("TokenDynamicsConfig.horizon", self.horizon)
-        if T <= 0:
-            raise ValueError(f"TokenDynamicsConfig.horizon must be > 0, got {T}")
-        h = _finite_float("TokenDynamicsConfig.step", self.step)
-        if not 0 < h <= 0.5:
-            raise ValueError(f"TokenDynamicsConfig.step must be in (0, 0.5], got {h}")
+        T = check_positive("TokenDynamicsConfig.horizon", self.horizon)
+        h = check_number("TokenDynamicsConfig.step", self.step, 0.0, 0.5, low_open=True)
         if h > T:
             raise ValueError(f"TokenDynamicsConfig.step={h} exceeds the horizon {T}")
-        s = _finite_float("TokenDynamicsConfig.noise_scale", self.noise_scale)
-        if not 0 <= s <= 1:
-            raise ValueError(f"TokenDynamicsConfig.noise_scale must be in [0, 1], got {s}")
-        if self.drift is not None:
-            _finite_float("TokenDynamicsConfig.drift", self.drift)
-        if not isinstance(self.noise, bool):
-            raise TypeError(f"TokenDynamicsConfig.noise must be a bool, got {self.noise!r}")
-        if not isinstance(self.keep_traj, bool):
-            raise TypeError(f"TokenDynamicsConfig.keep_traj must be a bool, got {self.keep_traj!r}")
-        if self.integrator not in ("discrete", "sde"):
-            raise ValueError(f"TokenDynamicsConfig.integrator must be 'discrete' or 'sde', got {self.integrator!r}")
-        thr = _finite_float("TokenDynamicsConfig.threshold", self.threshold)
-        if not 0 < thr < 1:
-            raise ValueError(f"TokenDynamicsConfig.threshold must be in (0, 1), got {thr}")
+        check_unit("TokenDynamicsConfig.noise_scale", self.noise_scale)
+        check_number("TokenDynamicsConfig.drift", self.drift, allow_none=True)
+        check_bool("TokenDynamicsConfig.noise", self.noise)
+        check_bool("TokenDynamicsConfig.keep_traj", self.keep_traj)
+        check_choice("TokenDynamicsConfig.integrator", self.integrator, ("discrete", "sde"))
+        check_unit("TokenDynamicsConfig.threshold", self.threshold, low_open=True, high_open=True)
         if self.keep_traj:
             n_rec = self.n_layers // self.record_every + 2
             need = self.runs * n_rec * self.n_tokens * self.dim * 8
@@ -659,9 +626,8 @@ def two_token_drift_diffusion(rho: float | np.ndarray, beta: float, d: int, *, n
     The cross term ``(A_1.A_2)(d-2+rho^2)/d`` is the Ito covariation of the COMMON noise:
     ``tr(P_perp(u_1) P_perp(u_2)) = d - 2 + rho^2``.
     """
-    if not _is_int(d) or d < 2:
-        raise ValueError(f"d must be an int >= 2, got {d!r}")
-    beta = _finite_float("beta", beta)
+    check_int("d", d, 2)
+    beta = check_number("beta", beta)
     r = np.asarray(rho, dtype=np.float64)
     if not np.isfinite(r).all() or (np.abs(r) > 1 + 1e-12).any():
         raise ValueError("rho must be finite and in [-1, 1]")
@@ -691,9 +657,8 @@ def lyapunov_exponents(beta: float, d: int, *, noise_scale: float = 1.0, drift: 
 
     so with centred values (m = 0) the antipodal pair is attracting iff ``cosh^2(beta) > (d-1)/2``.
     """
-    beta = _finite_float("beta", beta)
-    if not _is_int(d) or d < 2:
-        raise ValueError(f"d must be an int >= 2, got {d!r}")
+    beta = check_number("beta", beta)
+    check_int("d", d, 2)
     s2 = float(noise_scale) ** 2
     m = float(drift)
     if method == "closed":
@@ -727,8 +692,7 @@ def antipodal_boundary_beta(d: int) -> float:
     ``beta_c = arccosh(sqrt((d-1)/2))`` for ``d > 3``; 0 for ``d <= 3`` (``d = 3`` is marginal at
     ``beta = 0``, ``d = 2`` attracting for every beta). From ``lambda_- < 0`` of :func:`lyapunov_exponents`.
     """
-    if not _is_int(d) or d < 2:
-        raise ValueError(f"d must be an int >= 2, got {d!r}")
+    check_int("d", d, 2)
     v = math.sqrt((d - 1) / 2)
     return math.acosh(v) if v > 1 else 0.0
 
@@ -760,194 +724,6 @@ def has_antipodal_pair(gram: np.ndarray, threshold: float = 0.99) -> np.ndarray:
     n = g.shape[1]
     iu = np.triu_indices(n, 1)
     return (g[:, iu[0], iu[1]] < -threshold).any(axis=1)
-
-
-# --------------------------------------------------------------------------------------------------
-# Torch: a trainable deep stochastic Transformer and the value re-initialisation hook
-
-
-class _SphereLayer(nn.Module):
-    def __init__(self, dim: int) -> None:
-        super().__init__()
-        self.query = nn.Linear(dim, dim, bias=False)
-        self.key = nn.Linear(dim, dim, bias=False)
-        self.value = nn.Linear(dim, dim, bias=False)
-
-
-class SphereTransformer(nn.Module):
-    """A deep attention-only Transformer with the paper's layer: post-RMS-norm and ``1/sqrt(depth)`` residual.
-
-    ``x <- RMSNorm(x + depth^{-1/2} V softmax(x Q^T K x^T / d) x)`` for ``depth`` layers; tokens live on the
-    sphere of radius ``sqrt(dim)`` (RMSNorm without gain). Embeddings + learned positions, read-out of
-    token 0 by a linear head. ``value_scale`` / ``value_mean`` set the value matrices at init:
-    ``V = value_mean * I + value_scale * N(0, 1/dim)`` (``(0, 1)``: standard random init, the paper's
-    "noise on"; ``(1, 0)``: ``V = I``, "noise off"). Input ``(B, L)`` token ids, output ``(B, n_classes)``.
-    """
-
-    def __init__(self, vocab: int, dim: int = 32, depth: int = 8, n_classes: int = 2, max_len: int = 64,
-                 value_scale: float = 1.0, value_mean: float = 0.0, seed: int = 0) -> None:
-        super().__init__()
-        for name, v in (("vocab", vocab), ("dim", dim), ("depth", depth), ("n_classes", n_classes),
-                        ("max_len", max_len)):
-            if not _is_int(v) or v < 1:
-                raise ValueError(f"SphereTransformer.{name} must be a positive int, got {v!r}")
-        _finite_float("value_scale", value_scale)
-        _finite_float("value_mean", value_mean)
-        g = torch.Generator().manual_seed(int(seed))
-        self.dim, self.depth = dim, depth
-        self.embed = nn.Embedding(vocab, dim)
-        self.pos = nn.Parameter(torch.zeros(max_len, dim))
-        self.layers = nn.ModuleList(_SphereLayer(dim) for _ in range(depth))
-        self.head = nn.Linear(dim, n_classes)
-        with torch.no_grad():
-            self.embed.weight.normal_(0.0, 1.0, generator=g)
-            self.pos.normal_(0.0, 0.1, generator=g)
-            for layer in self.layers:
-                layer.query.weight.normal_(0.0, dim ** -0.5, generator=g)
-                layer.key.weight.normal_(0.0, dim ** -0.5, generator=g)
-                layer.value.weight.normal_(0.0, dim ** -0.5, generator=g).mul_(value_scale)
-                layer.value.weight.add_(value_mean * torch.eye(dim))
-            self.head.weight.normal_(0.0, dim ** -0.5, generator=g)
-            self.head.bias.zero_()
-
-    @staticmethod
-    def rms(x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True).clamp_min(1e-12))
-
-    def hidden_states(self, ids: torch.Tensor) -> list[torch.Tensor]:
-        """The token states ``(B, L, dim)`` after the embedding and after every layer (``depth + 1`` tensors)."""
-        if ids.ndim != 2 or ids.shape[1] > self.pos.shape[0]:
-            raise ValueError(f"ids must have shape (batch, length <= {self.pos.shape[0]}), got {tuple(ids.shape)}")
-        x = self.rms(self.embed(ids) + self.pos[: ids.shape[1]])
-        out = [x]
-        scale = self.depth ** -0.5
-        for layer in self.layers:
-            s = layer.query(x) @ layer.key(x).transpose(1, 2) / self.dim
-            x = self.rms(x + scale * layer.value(torch.softmax(s, dim=-1) @ x))
-            out.append(x)
-        return out
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.head(self.hidden_states(ids)[-1][:, 0])
-
-
-_VALUE_NAMES = ("v_proj", "value", "v", "to_v", "v_lin", "wv")
-
-
-class StochasticValueInit:
-    """Re-initialise the value projections of a torch Transformer with the paper's random values.
-
-    ``V <- mean * I + scale * N(0, 1/d_in)`` entry-wise, independently per layer (spec "Also
-    ``StochasticValueInit(model, scale=1.0)``"). Found automatically (or pass ``target``, any
-    :func:`rankwise.core.select.select` selector):
-
-    * ``nn.Linear`` modules whose name ends in ``v_proj``, ``value``, ``v``, ``to_v``, ``v_lin`` or
-      ``wv`` (Llama, BERT, T5, diffusers, DistilBERT, ...), the ``value`` of :class:`SphereTransformer`;
-    * GPT-2 ``c_attn`` (``Conv1D``, fused q|k|v): the last third of its output columns;
-    * ``nn.MultiheadAttention``: the value rows of ``in_proj_weight`` (or ``v_proj_weight``).
-
-    Biases of the value projections are zeroed. Construction applies the change in place;
-    ``names`` lists what changed. ``mean != 0`` needs square value matrices. The change is all or
-    nothing: the new weights are computed for every module before any is written.
-    """
-
-    def __init__(self, model: nn.Module, scale: float = 1.0, mean: float = 0.0, seed: int = 0,
-                 target: Any = None) -> None:
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-        self.scale = _finite_float("scale", scale)
-        self.mean = _finite_float("mean", mean)
-        if self.scale < 0:
-            raise ValueError(f"scale must be >= 0, got {self.scale}")
-        g = torch.Generator().manual_seed(int(seed))
-        plan = self._plan(model, target)
-        writes: list[tuple[torch.Tensor, tuple[slice, slice] | None, torch.Tensor, torch.Tensor | None]] = []
-        for name, param, region, layout, bias, bias_region in plan:
-            w = param.detach() if region is None else param.detach()[region]
-            # layout "out_in": W is (d_out, d_in) and y = W x; "in_out": W is (d_in, d_out) (GPT-2 Conv1D)
-            d_out, d_in = (w.shape if layout == "out_in" else (w.shape[1], w.shape[0]))
-            if self.mean != 0 and d_out != d_in:
-                raise ValueError(f"mean={self.mean} needs a square value matrix; {name} is {d_out} x {d_in}")
-            new = torch.randn((d_out, d_in), generator=g, dtype=torch.float64) * (self.scale / math.sqrt(d_in))
-            if self.mean != 0:
-                new += self.mean * torch.eye(d_in, dtype=torch.float64)
-            if layout == "in_out":
-                new = new.T
-            writes.append((param, region, new.to(param.dtype), None))
-            if bias is not None:
-                writes.append((bias, bias_region, torch.zeros_like(bias.detach() if bias_region is None
-                                                                   else bias.detach()[bias_region]), None))
-        with torch.no_grad():
-            for param, region, new, _ in writes:
-                if region is None:
-                    param.copy_(new)
-                else:
-                    param[region] = new
-        self.names = [p[0] for p in plan]
-
-    @staticmethod
-    def _plan(model: nn.Module, target: Any) -> list[tuple[str, torch.Tensor, Any, str, Any, Any]]:
-        plan: list[tuple[str, torch.Tensor, Any, str, Any, Any]] = []
-        if target is not None:
-            from rankwise.core.select import select
-
-            for name, mod in select(model, target):
-                if not isinstance(mod, nn.Linear):
-                    raise SelectionError(f"target {name} is a {type(mod).__name__}; StochasticValueInit re-initialises "
-                                         "nn.Linear value projections (leave target=None for GPT-2 / MultiheadAttention)")
-                plan.append((name, mod.weight, None, "out_in", mod.bias, None))
-            return plan
-        for name, mod in model.named_modules():
-            last = name.rsplit(".", 1)[-1]
-            if isinstance(mod, nn.Linear) and last in _VALUE_NAMES:
-                plan.append((name, mod.weight, None, "out_in", mod.bias, None))
-            elif isinstance(mod, nn.MultiheadAttention):
-                if mod.in_proj_weight is not None:
-                    E = mod.embed_dim
-                    plan.append((name + ".in_proj_weight[v]", mod.in_proj_weight, (slice(2 * E, 3 * E), slice(None)),
-                                 "out_in", mod.in_proj_bias, (slice(2 * E, 3 * E),) if mod.in_proj_bias is not None
-                                 else None))
-                else:
-                    plan.append((name + ".v_proj_weight", mod.v_proj_weight, None, "out_in", None, None))
-            elif last == "c_attn" and type(mod).__name__ == "Conv1D":
-                w = mod.weight  # (d_in, 3 d)
-                d3 = w.shape[1]
-                if d3 % 3:
-                    raise SelectionError(f"{name}: fused c_attn width {d3} is not divisible by 3")
-                d = d3 // 3
-                plan.append((name + "[v]", w, (slice(None), slice(2 * d, 3 * d)), "in_out", mod.bias,
-                             (slice(2 * d, 3 * d),)))
-        if not plan:
-            raise SelectionError("no value projection found (looked for nn.Linear named "
-                                 f"{'/'.join(_VALUE_NAMES)}, GPT-2 c_attn, nn.MultiheadAttention); pass target=")
-        return plan
-
-    def __repr__(self) -> str:
-        return f"StochasticValueInit(scale={self.scale}, mean={self.mean}, modules={len(self.names)})"
-
-
-@torch.no_grad()
-def hidden_state_grams(model: nn.Module, *args: Any, **kwargs: Any) -> torch.Tensor:
-    """Cosine Gram matrices of the token states at every depth, ``(n_layers + 1, B, L, L)``, float64.
-
-    Works with :class:`SphereTransformer` (``hidden_state_grams(model, ids)``) and any Hugging Face
-    model that accepts ``output_hidden_states=True`` (``hidden_state_grams(model, input_ids=ids)``).
-    Entries near -1 reveal antipodal token pairs, near +1 clusters.
-    """
-    if isinstance(model, SphereTransformer):
-        states = model.hidden_states(*args, **kwargs)
-    else:
-        out = model(*args, output_hidden_states=True, **kwargs)
-        states = getattr(out, "hidden_states", None)
-        if states is None:
-            raise TypeError(f"{type(model).__name__} did not return hidden_states; pass a Hugging Face model or a "
-                            "SphereTransformer")
-    grams = []
-    for h in states:
-        u = h.to(torch.float64)
-        u = u / u.norm(dim=-1, keepdim=True).clamp_min(1e-300)
-        grams.append(u @ u.transpose(-1, -2))
-    return torch.stack(grams)
 
 
 register("token_dynamics", config=TokenDynamicsConfig, entry=simulate)

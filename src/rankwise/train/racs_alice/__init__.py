@@ -1,8 +1,11 @@
 """RACS and Alice (ICLR 2026, arXiv 2502.07752): the paper's module, registered as ``racs_alice``.
 
-The optimizers live in :mod:`rankwise.train.racs` and :mod:`rankwise.train.alice`; this module
-re-exports them with the shared helpers and offers one entry point that builds either optimizer for
-a model (2-D block weights on the low-memory path, embeddings / LM head / norms / biases on AdamW)::
+The optimizers live in :mod:`rankwise.train.racs_alice.racs` and :mod:`rankwise.train.racs_alice.alice`
+(also importable under their old names :mod:`rankwise.train.racs` and :mod:`rankwise.train.alice`); what
+they share with the other low-memory optimizers of the family (the :class:`LowMemOptimizer` base, AdamW
+routing, the norm-growth limiter, parameter splitting) is :mod:`rankwise.train.lowmem_base`. This module
+re-exports them and offers one entry point that builds either optimizer for a model (2-D block weights
+on the low-memory path, embeddings / LM head / norms / biases on AdamW)::
 
     from rankwise.train.racs_alice import Alice, RACS, split_params_for_lowmem
     groups = split_params_for_lowmem(model)
@@ -21,20 +24,18 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from rankwise.core.registry import register
-from rankwise.train.alice import Alice, AliceConfig, alice_switch, complement_basis, top_eigvecs
-from rankwise.train.alice import _entry as _alice_entry
-from rankwise.train.racs import (
-    RACS,
+from rankwise.core.validate import check_choice, check_positive
+from rankwise.train.lowmem_base import (
     LowMemOptimizer,
-    RACSConfig,
     norm_growth_limit,
     optimizer_state_bytes,
-    racs_fixed_point,
     racs_scale,
     split_params_for_lowmem,
 )
-from rankwise.train.racs import _entry as _racs_entry
-from rankwise.train.racs import _positive
+from rankwise.train.racs_alice.alice import Alice, AliceConfig, alice_switch, complement_basis, top_eigvecs
+from rankwise.train.racs_alice.alice import _entry as _alice_entry
+from rankwise.train.racs_alice.racs import RACS, RACSConfig, racs_fixed_point
+from rankwise.train.racs_alice.racs import _entry as _racs_entry
 
 __all__ = [
     "Alice",
@@ -69,14 +70,12 @@ class LowMemConfig:
     other_lr: float | None = None
 
     def __post_init__(self) -> None:
-        if self.optimizer not in ("alice", "racs"):
-            raise ValueError(f"optimizer={self.optimizer!r} must be 'alice' or 'racs'")
+        check_choice("LowMemConfig.optimizer", self.optimizer, ("alice", "racs"))
         if not isinstance(self.alice, AliceConfig):
             raise TypeError(f"alice must be an AliceConfig, got {type(self.alice).__name__}")
         if not isinstance(self.racs, RACSConfig):
             raise TypeError(f"racs must be a RACSConfig, got {type(self.racs).__name__}")
-        if self.other_lr is not None:
-            _positive("other_lr", self.other_lr)
+        check_positive("LowMemConfig.other_lr", self.other_lr, allow_none=True)
 
 
 def lowmem_optimizer(model: nn.Module, config: LowMemConfig | None = None) -> Alice | RACS:

@@ -41,9 +41,8 @@ then approximate). A non-finite ``K`` skips that pair's step with a warning (onc
 from __future__ import annotations
 
 import math
-import numbers
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
@@ -51,7 +50,8 @@ from torch import nn
 
 from rankwise.core.errors import NumericalError, RankwiseError
 from rankwise.core.registry import register
-from rankwise.train.racs import LowMemOptimizer, norm_growth_limit, racs_scale
+from rankwise.core.validate import check_bool, check_choice, check_number, check_positive, check_unit
+from rankwise.train.lowmem_base import FromConfig, adamw_step, check_betas, norm_growth_limit, racs_scale, racs_stats_step_
 
 __all__ = [
     "AdamS",
@@ -67,47 +67,7 @@ __all__ = [
     "tangent_projection",
 ]
 
-_TINY = 1e-30
-
-
-# --------------------------------------------------------------------------------------------------
-# validation helpers
-
-
-def _real(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__} ({value!r})")
-    v = float(value)
-    if not math.isfinite(v):
-        raise ValueError(f"{name}={value!r} must be finite")
-    return v
-
-
-def _positive(name: str, value: Any) -> float:
-    v = _real(name, value)
-    if v <= 0:
-        raise ValueError(f"{name}={value!r} must be > 0")
-    return v
-
-
-def _non_negative(name: str, value: Any) -> float:
-    v = _real(name, value)
-    if v < 0:
-        raise ValueError(f"{name}={value!r} must be >= 0")
-    return v
-
-
-def _beta(name: str, value: Any) -> float:
-    v = _real(name, value)
-    if not 0.0 <= v < 1.0:
-        raise ValueError(f"{name}={value!r} must lie in [0, 1)")
-    return v
-
-
-def _betas(name: str, value: Any) -> tuple[float, float]:
-    if not isinstance(value, (tuple, list)) or len(value) != 2:
-        raise ValueError(f"{name}={value!r} must be a pair of floats in [0, 1)")
-    return (_beta(f"{name}[0]", value[0]), _beta(f"{name}[1]", value[1]))
+_TINY = 1e-30  # floor of a Gram's smallest eigenvalue when its largest is 0
 
 
 # --------------------------------------------------------------------------------------------------
@@ -292,7 +252,7 @@ def offset_init_(model: nn.Module, pairs: Sequence[LoraPair] | None = None, seed
     drawn on CPU from ``torch.Generator().manual_seed(seed)`` in pair order. All-or-nothing.
     """
     pairs = list(lora_factor_pairs(model) if pairs is None else pairs)
-    _positive("std", std)
+    check_positive("std", std)
     gen = torch.Generator().manual_seed(int(seed))
     plan = []
     for p in pairs:
@@ -370,7 +330,7 @@ class GradXCapture:
 # the optimizers
 
 
-class _LiftedOptimizer(torch.optim.Optimizer):
+class _LiftedOptimizer(FromConfig, torch.optim.Optimizer):
     """Shared machinery of AdamS and LRACS: pair groups, G_X capture, lift, Adam on other parameters.
 
     Param groups: one per LoRA pair (``kind="lora"``, ``params=[A, B]``, ``pair``: name, ``scale``) and
@@ -382,14 +342,12 @@ class _LiftedOptimizer(torch.optim.Optimizer):
     def __init__(self, params: nn.Module | Sequence[LoraPair], defaults: dict[str, Any],
                  other_params: Iterable[nn.Parameter] | None, other_lr: float | None,
                  other_weight_decay: float, nonfinite: str, capture: bool):
-        if nonfinite not in ("raise", "skip"):
-            raise ValueError(f"nonfinite={nonfinite!r} must be 'raise' or 'skip'")
-        _positive("lr", defaults["lr"])
-        _non_negative("rcond", defaults["rcond"])
-        _non_negative("ridge", defaults["ridge"])
-        _non_negative("other_weight_decay", other_weight_decay)
-        if other_lr is not None:
-            _positive("other_lr", other_lr)
+        check_choice("nonfinite", nonfinite, ("raise", "skip"))
+        check_positive("lr", defaults["lr"])
+        check_number("rcond", defaults["rcond"], 0.0)
+        check_number("ridge", defaults["ridge"], 0.0)
+        check_number("other_weight_decay", other_weight_decay, 0.0)
+        check_positive("other_lr", other_lr, allow_none=True)
         if defaults["lift_dtype"] not in (None, torch.float32, torch.float64):
             raise ValueError(f"lift_dtype={defaults['lift_dtype']!r} must be None, torch.float32 or torch.float64")
         if isinstance(params, nn.Module):
@@ -440,7 +398,7 @@ class _LiftedOptimizer(torch.optim.Optimizer):
         g = self.param_groups[-1]
         try:
             lr = g["lr"]
-            _positive(f"param group {len(self.param_groups) - 1}: lr", float(lr) if isinstance(lr, torch.Tensor) else lr)
+            check_positive(f"param group {len(self.param_groups) - 1}: lr", float(lr) if isinstance(lr, torch.Tensor) else lr)
             if g["kind"] not in ("lora", "other"):
                 raise ValueError(f"param group kind={g['kind']!r} must be 'lora' or 'other'")
             if g["kind"] == "lora" and getattr(self, "_frozen_pairs", False):
@@ -544,7 +502,7 @@ class _LiftedOptimizer(torch.optim.Optimizer):
         raise NotImplementedError  # pragma: no cover
 
     def _other_step(self, group: dict[str, Any]) -> None:
-        """Adam/AdamW (torch semantics) for non-LoRA parameters, via RACS's AdamW routine."""
+        """Adam/AdamW (torch semantics) for non-LoRA parameters (:func:`~rankwise.train.lowmem_base.adamw_step`)."""
         g = {"lr": group["lr"], "adamw_betas": group["other_betas"], "adamw_eps": group["other_eps"]}
         for p in group["params"]:
             if p.grad is None:
@@ -559,7 +517,7 @@ class _LiftedOptimizer(torch.optim.Optimizer):
             st["step"] = int(st.get("step", 0)) + 1
             if group.get("weight_decay", 0.0):
                 p.mul_(1.0 - float(group["lr"]) * group["weight_decay"])
-            LowMemOptimizer._adamw_step(self, p, p.grad, st, g)  # type: ignore[arg-type]
+            adamw_step(p, p.grad, st, g)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)
@@ -589,13 +547,12 @@ class AdamSConfig:
     ridge: float = 0.0
 
     def __post_init__(self) -> None:
-        _positive("AdamSConfig.lr", self.lr)
-        object.__setattr__(self, "betas", _betas("AdamSConfig.betas", self.betas))
-        _non_negative("AdamSConfig.eps", self.eps)
-        if not isinstance(self.bias_correction, bool):
-            raise TypeError(f"AdamSConfig.bias_correction must be a bool, got {self.bias_correction!r}")
-        _non_negative("AdamSConfig.rcond", self.rcond)
-        _non_negative("AdamSConfig.ridge", self.ridge)
+        check_positive("AdamSConfig.lr", self.lr)
+        object.__setattr__(self, "betas", check_betas("AdamSConfig.betas", self.betas, 2))
+        check_number("AdamSConfig.eps", self.eps, 0.0)
+        check_bool("AdamSConfig.bias_correction", self.bias_correction)
+        check_number("AdamSConfig.rcond", self.rcond, 0.0)
+        check_number("AdamSConfig.ridge", self.ridge, 0.0)
 
 
 class AdamS(_LiftedOptimizer):
@@ -617,6 +574,7 @@ class AdamS(_LiftedOptimizer):
     """
 
     method_name = "AdamS"
+    config_class = AdamSConfig
 
     def __init__(self, params: nn.Module | Sequence[LoraPair], lr: float = 3e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, bias_correction: bool = True,
@@ -624,22 +582,16 @@ class AdamS(_LiftedOptimizer):
                  other_lr: float | None = None, other_betas: tuple[float, float] = (0.9, 0.999),
                  other_eps: float = 1e-8, other_weight_decay: float = 0.0, lift_dtype: torch.dtype | None = None,
                  nonfinite: str = "raise", capture: bool = True):
-        AdamSConfig(_real("lr", lr), tuple(betas) if isinstance(betas, (list, tuple)) else betas,  # type: ignore[arg-type]
+        AdamSConfig(check_number("lr", lr), tuple(betas) if isinstance(betas, (list, tuple)) else betas,  # type: ignore[arg-type]
                     eps, bias_correction, rcond, ridge)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, bias_correction=bias_correction, rcond=rcond,
-                        ridge=ridge, lift_dtype=lift_dtype, other_betas=_betas("other_betas", other_betas),
-                        other_eps=_non_negative("other_eps", other_eps))
+                        ridge=ridge, lift_dtype=lift_dtype, other_betas=check_betas("other_betas", other_betas, 2),
+                        other_eps=check_number("other_eps", other_eps, 0.0))
         super().__init__(params, defaults, other_params, other_lr, other_weight_decay, nonfinite, capture)
 
-    @classmethod
-    def from_config(cls, params: Any, config: AdamSConfig, **kwargs: Any) -> "AdamS":
-        if not isinstance(config, AdamSConfig):
-            raise TypeError(f"config must be an AdamSConfig, got {type(config).__name__}")
-        return cls(params, **asdict(config), **kwargs)
-
     def _validate_group(self, g: dict[str, Any]) -> None:
-        _betas("betas", g["betas"])
-        _non_negative("eps", g["eps"])
+        check_betas("betas", g["betas"], 2)
+        check_number("eps", g["eps"], 0.0)
 
     def _direction(self, gx: torch.Tensor, state: dict[str, Any], group: dict[str, Any]) -> torch.Tensor:
         if "exp_avg" not in state:
@@ -670,16 +622,14 @@ class LRACSConfig:
     ridge: float = 0.0
 
     def __post_init__(self) -> None:
-        _positive("LRACSConfig.lr", self.lr)
-        _beta("LRACSConfig.beta", self.beta)
-        _positive("LRACSConfig.alpha", self.alpha)
-        if _real("LRACSConfig.gamma", self.gamma) < 1.0:
-            raise ValueError(f"LRACSConfig.gamma={self.gamma!r} must be >= 1")
-        _non_negative("LRACSConfig.eps", self.eps)
-        if not isinstance(self.limiter, bool):
-            raise TypeError(f"LRACSConfig.limiter must be a bool, got {self.limiter!r}")
-        _non_negative("LRACSConfig.rcond", self.rcond)
-        _non_negative("LRACSConfig.ridge", self.ridge)
+        check_positive("LRACSConfig.lr", self.lr)
+        check_unit("LRACSConfig.beta", self.beta, high_open=True)
+        check_positive("LRACSConfig.alpha", self.alpha)
+        check_number("LRACSConfig.gamma", self.gamma, 1.0)
+        check_number("LRACSConfig.eps", self.eps, 0.0)
+        check_bool("LRACSConfig.limiter", self.limiter)
+        check_number("LRACSConfig.rcond", self.rcond, 0.0)
+        check_number("LRACSConfig.ridge", self.ridge, 0.0)
 
 
 class LRACS(_LiftedOptimizer):
@@ -693,6 +643,7 @@ class LRACS(_LiftedOptimizer):
     """
 
     method_name = "LRACS"
+    config_class = LRACSConfig
 
     def __init__(self, params: nn.Module | Sequence[LoraPair], lr: float = 3e-2, beta: float = 0.9,
                  alpha: float = 0.05, gamma: float = 1.01, eps: float = 1e-8, limiter: bool = True,
@@ -700,21 +651,15 @@ class LRACS(_LiftedOptimizer):
                  other_lr: float | None = None, other_betas: tuple[float, float] = (0.9, 0.999),
                  other_eps: float = 1e-8, other_weight_decay: float = 0.0, lift_dtype: torch.dtype | None = None,
                  nonfinite: str = "raise", capture: bool = True):
-        LRACSConfig(_real("lr", lr), beta, alpha, gamma, eps, limiter, rcond, ridge)
+        LRACSConfig(check_number("lr", lr), beta, alpha, gamma, eps, limiter, rcond, ridge)
         defaults = dict(lr=lr, beta=beta, alpha=alpha, gamma=gamma, eps=eps, limiter=limiter, rcond=rcond,
-                        ridge=ridge, lift_dtype=lift_dtype, other_betas=_betas("other_betas", other_betas),
-                        other_eps=_non_negative("other_eps", other_eps))
+                        ridge=ridge, lift_dtype=lift_dtype, other_betas=check_betas("other_betas", other_betas, 2),
+                        other_eps=check_number("other_eps", other_eps, 0.0))
         super().__init__(params, defaults, other_params, other_lr, other_weight_decay, nonfinite, capture)
 
-    @classmethod
-    def from_config(cls, params: Any, config: LRACSConfig, **kwargs: Any) -> "LRACS":
-        if not isinstance(config, LRACSConfig):
-            raise TypeError(f"config must be an LRACSConfig, got {type(config).__name__}")
-        return cls(params, **asdict(config), **kwargs)
-
     def _validate_group(self, g: dict[str, Any]) -> None:
-        _beta("beta", g["beta"])
-        _positive("alpha", g["alpha"])
+        check_unit("beta", g["beta"], high_open=True)
+        check_positive("alpha", g["alpha"])
 
     def _direction(self, gx: torch.Tensor, state: dict[str, Any], group: dict[str, Any]) -> torch.Tensor:
         m, n = gx.shape
@@ -723,10 +668,7 @@ class LRACS(_LiftedOptimizer):
             state["q"] = torch.ones(n, dtype=gx.dtype, device=gx.device)
             state["phi"] = torch.zeros((), dtype=gx.dtype, device=gx.device)
         s, q, phi = state["s"], state["q"], state["phi"]
-        beta = group["beta"]
-        g2 = gx.square()
-        s.mul_(beta).add_((g2 @ q) / (q @ q).clamp_min(_TINY), alpha=1 - beta)
-        q.mul_(beta).add_((g2.T @ s) / (s @ s).clamp_min(_TINY), alpha=1 - beta)
+        racs_stats_step_(s, q, gx.square(), group["beta"])
         g_hat = racs_scale(gx, s, q, group["eps"])
         if group["limiter"]:
             norm = torch.linalg.vector_norm(g_hat)

@@ -35,7 +35,6 @@ Usage, framework-agnostic (no HF Trainer needed)::
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import asdict, dataclass, replace
 from typing import Any, Callable, Sequence
 
@@ -44,6 +43,7 @@ from torch import nn
 
 from rankwise.core.errors import RankwiseError
 from rankwise.core.registry import register
+from rankwise.core.validate import check_bool, check_int, check_number, check_positive, check_unit
 from rankwise.train.qat.baselines import QATConfig, QuantLinear, check_and_clamp_, prepare_qat, quant_layers
 
 __all__ = [
@@ -54,23 +54,6 @@ __all__ = [
     "perturbed_gradient",
     "winq",
 ]
-
-
-def _real(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
-    v = float(value)
-    if not math.isfinite(v):
-        raise ValueError(f"{name}={value} must be finite")
-    return v
-
-
-def _int(name: str, value: Any, low: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < low:
-        raise ValueError(f"{name}={value} must be >= {low}")
-    return int(value)
 
 
 @dataclass(frozen=True)
@@ -96,22 +79,15 @@ class WinQConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.reset_every is not None:
-            _int("reset_every", self.reset_every)
-        a = _real("alpha", self.alpha)
-        if not 0.0 <= a <= 1.0:
-            raise ValueError(f"alpha={self.alpha} must lie in [0, 1]")
-        for name in ("sigma_w", "sigma_c"):
-            if _real(name, getattr(self, name)) < 0:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 0")
-        if not isinstance(self.symmetric, bool):
-            raise TypeError(f"symmetric must be a bool, got {type(self.symmetric).__name__}")
-        _int("num_perturbs", self.num_perturbs)
-        if not isinstance(self.relative_sigma, bool):
-            raise TypeError("relative_sigma must be a bool")
-        if _real("sigma_ref_rms", self.sigma_ref_rms) <= 0:
-            raise ValueError(f"sigma_ref_rms={self.sigma_ref_rms} must be > 0")
-        _int("seed", self.seed, low=0)
+        check_int("WinQConfig.reset_every", self.reset_every, 1, allow_none=True)
+        check_unit("WinQConfig.alpha", self.alpha)
+        check_number("WinQConfig.sigma_w", self.sigma_w, 0.0)
+        check_number("WinQConfig.sigma_c", self.sigma_c, 0.0)
+        check_bool("WinQConfig.symmetric", self.symmetric)
+        check_int("WinQConfig.num_perturbs", self.num_perturbs, 1)
+        check_bool("WinQConfig.relative_sigma", self.relative_sigma)
+        check_positive("WinQConfig.sigma_ref_rms", self.sigma_ref_rms)
+        check_int("WinQConfig.seed", self.seed, 0)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -124,9 +100,7 @@ def interpolation_reset(model: nn.Module, alpha: float) -> list[tuple[str, float
 
     Returns ``[(layer, ||W - Q(W)|| before, after)]``. Scales are not changed.
     """
-    a = _real("alpha", alpha)
-    if not 0.0 <= a <= 1.0:
-        raise ValueError(f"alpha={alpha} must lie in [0, 1]")
+    a = check_unit("alpha", alpha)
     out = []
     for name, layer in quant_layers(model):
         q = layer.quantized_weight(noisy=False)
@@ -155,10 +129,8 @@ def perturbed_gradient(fn: Callable[[Sequence[torch.Tensor]], torch.Tensor], par
     gradients)``: the mean over ``num_perturbs`` draws of ``grad f(theta + U)`` (one-sided) or of
     ``(grad f(theta + U) + grad f(theta - U)) / 2`` (symmetric; exact for a quadratic ``f``).
     """
-    sigma = _real("sigma", sigma)
-    if sigma < 0:
-        raise ValueError(f"sigma={sigma} must be >= 0")
-    _int("num_perturbs", num_perturbs)
+    sigma = check_number("sigma", sigma, 0.0)
+    check_int("num_perturbs", num_perturbs, 1)
     base = [p.detach() for p in params]
     grads = [torch.zeros_like(p) for p in base]
     losses = []
@@ -191,7 +163,7 @@ class WinQCallback:
     """
 
     def __init__(self, total_steps: int, config: WinQConfig | None = None, **overrides: Any):
-        self.total_steps = _int("total_steps", total_steps)
+        self.total_steps = check_int("total_steps", total_steps, 1)
         config = config or WinQConfig()
         if not isinstance(config, WinQConfig):
             raise TypeError(f"config must be a WinQConfig, got {type(config).__name__}")
@@ -264,7 +236,7 @@ class WinQCallback:
         non-finite weights (raising :class:`~rankwise.core.errors.NumericalError` with the layer),
         and applies the interpolation reset when ``step % K == 0`` and ``step < total_steps``.
         Returns whether a reset happened."""
-        step = _int("step", step)
+        step = check_int("step", step, 1)
         check_and_clamp_(model)
         if step % self.reset_every != 0 or step >= self.total_steps or self.config.alpha == 1.0:
             return False
