@@ -94,3 +94,19 @@ def test_quick_tasks_follow_the_validation_rule():
                 gains[t].append(100 * (tl.metrics["val_acc"] - ev.accuracies(None, "val")[0]))
                 n_train[t] = tl.metrics["n_train"]
     assert set(quick_task_rule(gains, n_train)) == set(QUICK_TASKS)
+
+
+def test_weighted_hits_average_to_the_normalized_accuracy():
+    """Claim (1)'s paired samples: per-example weights make their mean the normalized accuracy in points."""
+    import statistics
+
+    from rankwise.repro.ctm import _norm_acc, _weighted_hits
+
+    hits = [torch.tensor([True, False, True, True]), torch.tensor([False, True])]
+    ref = [0.8, 0.6]
+    accs = [float(h.double().mean()) for h in hits]
+    assert statistics.fmean(_weighted_hits(hits, ref)) == pytest.approx(100 * _norm_acc(accs, ref), rel=1e-12)
+    other = [torch.tensor([True, True, True, True]), torch.tensor([False, False])]
+    diff = [a - b for a, b in zip(_weighted_hits(hits, ref), _weighted_hits(other, ref))]
+    acc_o = [float(h.double().mean()) for h in other]
+    assert statistics.fmean(diff) == pytest.approx(100 * (_norm_acc(accs, ref) - _norm_acc(acc_o, ref)), rel=1e-12)

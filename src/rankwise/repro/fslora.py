@@ -25,17 +25,29 @@ Flower's simulation engine.
 Claims (spec "THE CLAIM"): FSLoRA's mean final accuracy >= FedAvg-LoRA(r = k_min) + 2 points and
 >= HetLoRA - 0.5 point; FSLoRA's mean per-client adapter upload <= (mean k_i / r) x the full-rank
 upload + 1 % (adapter tensors; the head, which every method uploads in full, is reported apart).
+Settings (:class:`FSLoRASettings`, ``SETTINGS[mode]``; ``rankwise reproduce fslora --set rounds=6``): the
+model and its adapted top layers and targets, the text task, the data caps, the federated budget, the ranks,
+learning rates and rows.
+
+Checks. Claim checks: FSLoRA - FedAvg-LoRA(k_min) >= 2 points and FSLoRA - HetLoRA >= -0.5 point, each
+with its paired per-example correctness differences on the test set (the final global models; so a
+bootstrap interval decides it); the upload ratio (exact byte accounting, a point estimate); in full mode
+the sketch-ratio ablation. Preconditions (stated before any run; no new threshold: 0.99 is the
+reproductions' saturation line, chance is 1 / labels): the task does not saturate (not every row's final
+accuracy above 0.99) and the compared baseline FedAvg-LoRA(k_min) learned (its final accuracy above chance).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -46,32 +58,78 @@ from rankwise.federated import FSLoRAConfig
 from rankwise.federated.client import make_client_fn
 from rankwise.federated.runner import build_strategy, run_federated
 from rankwise.federated.tasks import TensorData, dirichlet_partition
-from rankwise.repro.result import MODES, ClaimCheck, ReproResult, Table, environment
+from rankwise.core.lora import set_state
+from rankwise.repro.result import ClaimCheck, Precondition, Table
+from rankwise.repro.skeleton import Records, Reproduction, Settings, pyplot, save_figure, setting
 
 ID = "fslora"
 CLAIM = ("With clients of heterogeneous capacity, training random rank-k_i sketches of one global rank-r LoRA "
          "(FSLoRA) beats homogeneous FedAvg-LoRA at the smallest rank and at least matches the heterogeneous-rank "
          "baselines, while each client uploads only about k_i/r of the full-rank adapter.")
 
-RANK, ALPHA = 16, 16.0
-CYCLE = (2, 4, 8, 16)
-SETTINGS: dict[str, dict[str, Any]] = {
-    "smoke": dict(num_clients=4, per_round=2, rounds=1, local_steps=1, max_train=160, max_test=64, eval_every=1,
-                  rows=("FSLoRA", "HetLoRA", "FedAvg-LoRA r=2")),
-    "quick": dict(num_clients=8, per_round=4, rounds=4, local_steps=4, max_train=None, max_test=None, eval_every=4,
-                  rows=("FSLoRA", "HetLoRA", "FedAvg-LoRA r=2")),
-    # full: the spec's 16 rounds x H = 8 measured ~65 s of CPU per run here (14 runs: ~15 min), over the
-    # 10-minute budget; 12 rounds x H = 6 and a two-point ratio ablation fit it.
-    "full": dict(num_clients=16, per_round=5, rounds=12, local_steps=6, max_train=None, max_test=None, eval_every=4,
-                 rows=("FSLoRA", "HetLoRA", "FedAvg-LoRA r=2", "FedAvg-LoRA r=16 (all full)", "FlexLoRA"),
-                 seed0_only=("FedAvg-LoRA r=16 (all full)", "FlexLoRA"), ablation=(2, 16)),
-}
-CLIENT_LR, HEAD_LR, BATCH = 5e-4, 5e-3, 16
+# defaults of MiniLMTask (the task ``rankwise federate`` builds); the reproduction passes its settings
+BATCH = 16
 DIRICHLET = 0.3
 MAX_LENGTH, TOP_LAYERS = 32, 2
+ROW_NAMES = ("FSLoRA", "HetLoRA", "FedAvg-LoRA r=2", "FedAvg-LoRA r=16 (all full)", "FlexLoRA")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FSLoRASettings(Settings):
+    """What the FSLoRA reproduction runs; ``SETTINGS[mode]`` holds each mode's values."""
+
+    model: str = setting("all-MiniLM-L6-v2", "the frozen pretrained encoder (zoo.minilm)", choices=("all-MiniLM-L6-v2",))
+    top_layers: int = setting(TOP_LAYERS, "adapted top encoder layers (the layers below are cached)", lo=1, hi=6)
+    targets: tuple[str, ...] = setting(("query", "value"), "adapted module names in the top layers")
+    text_task: str = setting("topic", "zoo text task (rankwise.zoo.text_task)")
+    max_length: int = setting(MAX_LENGTH, "tokens per text", lo=1)
+    max_train: int | None = setting(None, "training examples (None: all)", lo=1)
+    max_test: int | None = setting(None, "test examples (None: all)", lo=1)
+    dirichlet: float = setting(DIRICHLET, "Dirichlet concentration of the non-IID label split", lo=0.0)
+    num_clients: int = setting(8, "federated clients", lo=1)
+    per_round: int = setting(4, "clients sampled per round", lo=1)
+    rounds: int = setting(4, "federated rounds (every row)", lo=1)
+    local_steps: int = setting(4, "local AdamW steps per client per round (H)", lo=1)
+    eval_every: int = setting(4, "evaluate the test set every this many rounds (and at the last)", lo=1)
+    rank: int = setting(16, "global LoRA rank r", lo=1)
+    alpha: float = setting(16.0, "LoRA alpha", lo=0.0)
+    client_ranks: tuple[int, ...] = setting((2, 4, 8, 16), "client sketch sizes / ranks k_i, cycled over the client "
+                                            "ids (the smallest is FedAvg-LoRA's rank k_min)", lo=1)
+    client_lr: float = setting(5e-4, "client learning rate on LoRA (every row)", lo=0.0)
+    head_lr: float = setting(5e-3, "client learning rate on the head (every row)", lo=0.0)
+    batch_size: int = setting(BATCH, "client batch size", lo=1)
+    rows: tuple[str, ...] = setting(("FSLoRA", "HetLoRA", "FedAvg-LoRA r=2"), "rows run (FSLoRA, HetLoRA and "
+                                    "FedAvg-LoRA r=2 are required by the checks)")
+    seed0_only: tuple[str, ...] = setting((), "rows run on the first seed only")
+    ablation: tuple[int, ...] = setting((), "sketch-ratio ablation: FSLoRA with every client at each of these k "
+                                        "(first seed)", lo=1)
+
+    def validate(self) -> None:
+        bad = [r for r in self.rows + self.seed0_only if r not in ROW_NAMES]
+        if bad:
+            raise ValueError(f"FSLoRASettings.rows must be among {list(ROW_NAMES)}, got {bad!r}")
+        for r in ("FSLoRA", "HetLoRA", "FedAvg-LoRA r=2"):
+            if r not in self.rows:
+                raise ValueError(f"FSLoRASettings.rows must include {r!r}, got {self.rows!r}")
+        if not self.client_ranks or max(self.client_ranks) > self.rank:
+            raise ValueError(f"FSLoRASettings.client_ranks must be non-empty and <= rank {self.rank}, "
+                             f"got {self.client_ranks!r}")
+
+
+SETTINGS: dict[str, FSLoRASettings] = {
+    "smoke": FSLoRASettings(num_clients=4, per_round=2, rounds=1, local_steps=1, max_train=160, max_test=64,
+                            eval_every=1),
+    "quick": FSLoRASettings(),
+    # full: the spec's 16 rounds x H = 8 measured ~65 s of CPU per run here (14 runs: ~15 min), over the
+    # 10-minute budget; 12 rounds x H = 6 and a two-point ratio ablation fit it.
+    "full": FSLoRASettings(num_clients=16, per_round=5, rounds=12, local_steps=6, eval_every=4,
+                           rows=("FSLoRA", "HetLoRA", "FedAvg-LoRA r=2", "FedAvg-LoRA r=16 (all full)", "FlexLoRA"),
+                           seed0_only=("FedAvg-LoRA r=16 (all full)", "FlexLoRA"), ablation=(2, 16)),
+}
 K_MIN_MARGIN = 0.02      # FSLoRA >= FedAvg-LoRA(k_min) + 2 points
 HET_SLACK = -0.005       # FSLoRA >= HetLoRA - 0.5 point
 UPLOAD_SLACK = 1.01      # upload <= (mean k / r) * full + 1 %
+SATURATED = 0.99         # a row within a point of 100 % accuracy saturates the task
 
 log = logging.getLogger(__name__)
 
@@ -96,10 +154,13 @@ class MiniLMTask:
 
     def __init__(self, num_clients: int = 16, text_task: str = "topic", dirichlet_alpha: float = DIRICHLET,
                  seed: int = 0, n_top: int = TOP_LAYERS, max_length: int = MAX_LENGTH, max_train: int | None = None,
-                 max_test: int | None = None, cache_dir: str | None = None, min_size: int = BATCH) -> None:
+                 max_test: int | None = None, cache_dir: str | None = None, min_size: int = BATCH,
+                 targets: tuple[str, ...] | None = None) -> None:
         from rankwise import zoo
 
         self.num_clients, self.n_top = num_clients, n_top
+        if targets is not None:
+            self.targets = tuple(targets)
         tt = zoo.text_task(text_task, seed=0, max_train=max_train, max_test=max_test)
         self.labels = list(tt.labels)
         key = hashlib.sha256(json.dumps([text_task, n_top, max_length, [t for t, _ in tt.train],
@@ -169,23 +230,24 @@ TASK_SPEC = "rankwise.repro.fslora:minilm_task"
 # the run
 # ------------------------------------------------------------------------------------------------
 
-def _config(row: str, S: dict[str, Any], seed: int, ablation_k: int | None = None) -> tuple[str, FSLoRAConfig]:
-    n = S["num_clients"]
-    common = dict(alpha=ALPHA, clients_per_round=S["per_round"], local_steps=S["local_steps"], batch_size=BATCH,
-                  client_lr=CLIENT_LR, head_lr=HEAD_LR, weighting="examples", seed=seed)
-    ranks = {i: CYCLE[i % len(CYCLE)] for i in range(n)}
+def _config(row: str, S: FSLoRASettings, seed: int, ablation_k: int | None = None) -> tuple[str, FSLoRAConfig]:
+    n = S.num_clients
+    common = dict(alpha=S.alpha, clients_per_round=S.per_round, local_steps=S.local_steps, batch_size=S.batch_size,
+                  client_lr=S.client_lr, head_lr=S.head_lr, weighting="examples", seed=seed)
+    cycle = S.client_ranks
+    ranks = {i: cycle[i % len(cycle)] for i in range(n)}
     if ablation_k is not None:
-        return "fslora", FSLoRAConfig(rank=RANK, client_ranks={i: ablation_k for i in range(n)}, **common)
+        return "fslora", FSLoRAConfig(rank=S.rank, client_ranks={i: ablation_k for i in range(n)}, **common)
     if row == "FSLoRA":
-        return "fslora", FSLoRAConfig(rank=RANK, client_ranks=ranks, **common)
+        return "fslora", FSLoRAConfig(rank=S.rank, client_ranks=ranks, **common)
     if row == "HetLoRA":
-        return "hetlora", FSLoRAConfig(rank=RANK, client_ranks=ranks, **common)
+        return "hetlora", FSLoRAConfig(rank=S.rank, client_ranks=ranks, **common)
     if row == "FlexLoRA":
-        return "flexlora", FSLoRAConfig(rank=RANK, client_ranks=ranks, **common)
+        return "flexlora", FSLoRAConfig(rank=S.rank, client_ranks=ranks, **common)
     if row == "FedAvg-LoRA r=2":
-        return "fedavg", FSLoRAConfig(rank=min(CYCLE), **common)
+        return "fedavg", FSLoRAConfig(rank=min(cycle), **common)
     if row == "FedAvg-LoRA r=16 (all full)":
-        return "fedavg", FSLoRAConfig(rank=RANK, **common)
+        return "fedavg", FSLoRAConfig(rank=S.rank, **common)
     raise ValueError(f"unknown row {row!r}")
 
 
@@ -195,14 +257,36 @@ def _head_bytes(task: MiniLMTask) -> int:
     return sum(p[h].numel() * 4 for h in task.head)
 
 
-def _run_one(task: MiniLMTask, method: str, cfg: FSLoRAConfig, rounds: int, eval_every: int = 1) -> Any:
-    """One federated run, in-process; the test set is evaluated at rounds divisible by ``eval_every`` and the last."""
+@torch.no_grad()
+def _correct(task: MiniLMTask, adapter: Any, head: dict[str, torch.Tensor], batch_size: int = 256) -> list[float]:
+    """1.0 / 0.0 per test example: whether the global model (adapter + head) predicts it right, computed as the
+    server-side evaluation does (the final accuracy's terms)."""
+    model = task.build_model()
+    set_state(model, adapter, "default", check_base=False)
+    params = dict(model.named_parameters())
+    for n, t in head.items():
+        params[n].copy_(t.to(params[n].dtype))
+    model.eval()
+    data = task.test_data()
+    hits: list[float] = []
+    for s in range(0, len(data), batch_size):
+        inputs, y = data.select(torch.arange(s, min(len(data), s + batch_size)))
+        hits += (model(**inputs).argmax(-1) == y).double().tolist()
+    return hits
+
+
+def _run_one(task: MiniLMTask, method: str, cfg: FSLoRAConfig, rounds: int, eval_every: int = 1,
+             final: dict[str, Any] | None = None) -> Any:
+    """One federated run, in-process; the test set is evaluated at rounds divisible by ``eval_every`` and the last.
+    With ``final`` (a dict), the last round's per-example correctness is stored in ``final["correct"]``."""
     strategy = build_strategy(method, cfg, task, num_clients=task.num_clients)
     full_eval = strategy.evaluate_fn
 
     def evaluate_fn(adapter: Any, head: Any) -> Any:
         rnd = adapter.config["rounds"]
         due = rnd == rounds or (rnd % eval_every == 0 and (rnd > 0 or eval_every == 1))
+        if final is not None and rnd == rounds:
+            final["correct"] = _correct(task, adapter, head)
         return full_eval(adapter, head) if due else None
 
     strategy.evaluate_fn = evaluate_fn
@@ -210,130 +294,177 @@ def _run_one(task: MiniLMTask, method: str, cfg: FSLoRAConfig, rounds: int, eval
     return strategy
 
 
-def run(mode: str, seeds: Sequence[int], out_dir: Path) -> ReproResult:
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    seeds = list(seeds)
-    if not seeds:
-        raise ValueError("at least one seed is needed")
-    t0 = time.time()
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    S = SETTINGS[mode]
-    torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
-    from rankwise.federated.common import quiet_flwr
+def _full_adapter_kb(S: FSLoRASettings) -> float:
+    """Upload of the full-rank LoRA (A and B of every target of the top layers, 384-wide, float32), KB."""
+    return len(S.targets) * S.top_layers * S.rank * (384 + 384) * 4 / 1024
 
-    restore_flwr_log = quiet_flwr()
-    cols = ["final accuracy", "final loss", "adapter upload KB/client", "head upload KB/client",
-            "mean k/r (sampled)", "wall s"]
-    table = Table(columns=cols, notes={"adapter upload KB/client": "LoRA tensors sent to the server per client "
-                                       "per round (float32)", "final loss": "server-side test cross-entropy"})
-    curves: dict[str, dict[str, list[list[float]]]] = {}
-    raw: dict[str, dict[int, dict[str, float]]] = {}
-    try:
-        for seed in seeds:
-            task = MiniLMTask(num_clients=S["num_clients"], seed=seed, max_train=S["max_train"],
-                              max_test=S["max_test"])
-            head_b = _head_bytes(task)
-            rows = [r for r in S["rows"] if seed == seeds[0] or r not in S.get("seed0_only", ())]
-            for row in rows:
-                t1 = time.time()
-                method, cfg = _config(row, S, seed)
-                st = _run_one(task, method, cfg, S["rounds"], S["eval_every"])
-                h = [x for x in st.history if x["round"] > 0]
-                up = float(np.mean([x["upload_bytes_per_client"] for x in h if x["clients_ok"]]))
-                ks = [k for x in h for k in x["client_ranks"].values()]
-                vals = {"final accuracy": st.history[-1]["accuracy"], "final loss": st.history[-1]["loss"],
-                        "adapter upload KB/client": (up - head_b) / 1024, "head upload KB/client": head_b / 1024,
-                        "mean k/r (sampled)": float(np.mean(ks)) / RANK if method != "fedavg" else cfg.rank / RANK,
-                        "wall s": time.time() - t1}
+
+class FSLoRAReproduction(Reproduction[FSLoRASettings, dict]):
+    id = ID
+    claim = CLAIM
+    settings = SETTINGS
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        """At most two torch threads (the run's own choice) and Flower's logger quiet; both restored."""
+        from rankwise.federated.common import quiet_flwr
+
+        before = torch.get_num_threads()
+        torch.set_num_threads(max(1, min(2, before)))
+        restore_flwr_log = quiet_flwr()
+        try:
+            yield
+        finally:
+            restore_flwr_log()
+            torch.set_num_threads(before)
+
+    def measure(self, S: FSLoRASettings, seed: int) -> dict[str, Any]:
+        first = not hasattr(self, "_first_done")  # measure runs in seed order: the first call is the first seed
+        self._first_done = True
+        task = MiniLMTask(num_clients=S.num_clients, text_task=S.text_task, dirichlet_alpha=S.dirichlet, seed=seed,
+                          n_top=S.top_layers, max_length=S.max_length, max_train=S.max_train, max_test=S.max_test,
+                          min_size=S.batch_size, targets=S.targets)
+        head_b = _head_bytes(task)
+        rows = [r for r in S.rows if first or r not in S.seed0_only]
+        out: dict[str, Any] = {"vals": {}, "correct": {}, "curves": {}, "labels": len(task.labels)}
+        for row in rows:
+            t1 = time.time()
+            method, cfg = _config(row, S, seed)
+            final: dict[str, Any] = {}
+            st = _run_one(task, method, cfg, S.rounds, S.eval_every, final=final)
+            h = [x for x in st.history if x["round"] > 0]
+            up = float(np.mean([x["upload_bytes_per_client"] for x in h if x["clients_ok"]]))
+            ks = [k for x in h for k in x["client_ranks"].values()]
+            out["vals"][row] = {
+                "final accuracy": st.history[-1]["accuracy"], "final loss": st.history[-1]["loss"],
+                "adapter upload KB/client": (up - head_b) / 1024, "head upload KB/client": head_b / 1024,
+                "mean k/r (sampled)": float(np.mean(ks)) / S.rank if method != "fedavg" else cfg.rank / S.rank,
+                "wall s": time.time() - t1}
+            out["correct"][row] = final["correct"]
+            out["curves"][row] = {"accuracy": [x.get("accuracy", float("nan")) for x in st.history],
+                                  "train_loss": [x.get("train_loss", float("nan")) for x in h]}
+        if first and S.ablation:
+            for k in S.ablation:
+                name = f"FSLoRA all k={k} (ratio {k}/{S.rank})"
+                _, cfg = _config("FSLoRA", S, seed, ablation_k=k)
+                st = _run_one(task, "fslora", cfg, S.rounds, S.rounds)
+                out["curves"][name] = {"train_loss": [x["train_loss"] for x in st.history if x["round"] > 0],
+                                       "accuracy": [x.get("accuracy", float("nan")) for x in st.history]}
+        return out
+
+    def table(self, S: FSLoRASettings, records: Records[dict]) -> Table:
+        cols = ["final accuracy", "final loss", "adapter upload KB/client", "head upload KB/client",
+                "mean k/r (sampled)", "wall s"]
+        table = Table(columns=cols, notes={"adapter upload KB/client": "LoRA tensors sent to the server per client "
+                                           "per round (float32)", "final loss": "server-side test cross-entropy"})
+        for r in records:
+            for row, vals in r["vals"].items():
                 for c, v in vals.items():
                     table.add(row, c, v)
-                raw.setdefault(row, {})[seed] = vals
-                curves.setdefault(row, {}).setdefault("accuracy", []).append(
-                    [x.get("accuracy", float("nan")) for x in st.history])
-                curves[row].setdefault("train_loss", []).append([x.get("train_loss", float("nan")) for x in h])
-            if seed == seeds[0] and S.get("ablation"):
-                for k in S["ablation"]:
-                    name = f"FSLoRA all k={k} (ratio {k}/{RANK})"
-                    _, cfg = _config("FSLoRA", S, seed, ablation_k=k)
-                    st = _run_one(task, "fslora", cfg, S["rounds"], S["rounds"])
-                    curves[name] = {"train_loss": [[x["train_loss"] for x in st.history if x["round"] > 0]],
-                                    "accuracy": [[x.get("accuracy", float("nan")) for x in st.history]]}
-    finally:
-        restore_flwr_log()
+        self._table = table
+        return table
 
-    def mean(row: str, col: str, only: Sequence[int] | None = None) -> float:
-        v = [raw[row][s][col] for s in (only or seeds) if s in raw.get(row, {})]
+    @staticmethod
+    def _mean(records: Records[dict], row: str, col: str) -> float:
+        v = [r["vals"][row][col] for r in records if row in r["vals"]]
         return float(np.mean(v)) if v else float("nan")
 
-    fs_acc = mean("FSLoRA", "final accuracy")
-    checks = [
-        ClaimCheck("FSLoRA mean final accuracy - FedAvg-LoRA(r=k_min=2)", fs_acc - mean("FedAvg-LoRA r=2",
-                   "final accuracy"), ">=", K_MIN_MARGIN, unit="acc"),
-        ClaimCheck("FSLoRA mean final accuracy - HetLoRA", fs_acc - mean("HetLoRA", "final accuracy"), ">=",
-                   HET_SLACK, unit="acc"),
-    ]
-    full_adapter_kb = 2 * TOP_LAYERS * RANK * (384 + 384) * 4 / 1024  # rank-16 LoRA on q, v of the top layers
-    ratio = mean("FSLoRA", "mean k/r (sampled)")
-    checks.append(ClaimCheck("FSLoRA adapter upload per client / ((mean sampled k_i / r) x full-rank upload)",
-                             mean("FSLoRA", "adapter upload KB/client") / (ratio * full_adapter_kb), "<=",
-                             UPLOAD_SLACK, unit="x"))
-    json_curves = {k: {m: [[None if not np.isfinite(x) else float(x) for x in run_] for run_ in runs]
-                       for m, runs in v.items()} for k, v in curves.items()}
-    extra: dict[str, Any] = {"curves": json_curves, "full_rank_adapter_upload_kb": full_adapter_kb}
-    notes = [f"Measured under CPU contention (2 shared cores). Quick mode: {S['num_clients']} clients, "
-             f"{S['per_round']} per round, {S['rounds']} rounds of {S['local_steps']} local steps; in-process "
-             "clients through Flower's server loop (no Ray). Aggregation weighted by example counts for every "
-             "method (Flower's FedAvg does so); FSLoRA's paper default is 1/|C| (FSLoRAConfig.weighting='uniform')."
-             if mode != "full" else f"Full mode: {S['num_clients']} clients, {S['per_round']} per round, "
-             f"{S['rounds']} rounds of {S['local_steps']} local steps, in-process clients through Flower's server loop.",
-             "The small budget (few rounds, few local steps at lr 5e-4) means accuracies are mostly carried by the "
-             "head, which every method trains in full; differences between adapters are small at this scale.",
-             "Upload bytes are exact accounting of what each client sends; the head "
-             f"({table.rows['FSLoRA']['head upload KB/client'][0]:.1f} KB) is uploaded in full by every method and "
-             "is excluded from the ratio claim."]
-    abl = {k: v for k, v in curves.items() if k.startswith("FSLoRA all k=")}
-    if abl:
-        auc = {k: float(np.nanmean(v["train_loss"][0])) for k, v in abl.items()}
-        names = list(auc)
-        extra["ablation_mean_train_loss"] = auc
-        checks.append(ClaimCheck("sketch-ratio ablation: mean client train loss, ratio 2/16 minus ratio 16/16 "
-                                 "(larger ratio converges faster)", auc[names[0]] - auc[names[-1]], ">", 0.0,
-                                 unit="nats"))
-    figures = _figure(curves, out_dir)
-    result = ReproResult(id=ID, mode=mode, seeds=seeds, claim=CLAIM, table=table, checks=checks, figures=figures,
-                         notes=" ".join(notes), wall_time_s=time.time() - t0, environment=environment(seeds),
-                         config={"global_rank": RANK, "alpha": ALPHA, "client_rank_cycle": list(CYCLE),
-                                 "client_lr": CLIENT_LR, "head_lr": HEAD_LR, "batch_size": BATCH,
-                                 "dirichlet_alpha": DIRICHLET, "max_length": MAX_LENGTH, "top_layers": TOP_LAYERS,
-                                 "targets": ["query", "value"], "text_task": "topic",
-                                 **{k: v for k, v in S.items() if k != "rows"}, "rows": list(S["rows"])},
-                         extra=extra)
-    result.save(out_dir)
-    return result
+    def preconditions(self, S: FSLoRASettings, records: Records[dict]) -> list[Precondition]:
+        low = min(self._mean(records, row, "final accuracy") for row in S.rows)
+        chance = 1.0 / records.first["labels"]
+        return [
+            Precondition("the task does not saturate (not every row within a point of 100 %): the lowest row's "
+                         "mean final accuracy", low, "<=", SATURATED),
+            Precondition(f"the compared baseline learned: FedAvg-LoRA(r=k_min) mean final accuracy - chance "
+                         f"(1/{records.first['labels']})",
+                         self._mean(records, "FedAvg-LoRA r=2", "final accuracy") - chance, ">", 0.0),
+        ]
+
+    def checks(self, S: FSLoRASettings, records: Records[dict]) -> list[ClaimCheck]:
+        def paired(b: str) -> list[list[float]]:
+            return [[x - y for x, y in zip(r["correct"]["FSLoRA"], r["correct"][b])] for r in records]
+
+        def mean_of(samples: list[list[float]]) -> float:
+            return float(np.mean([float(np.mean(s)) for s in samples]))
+
+        d_fed, d_het = paired("FedAvg-LoRA r=2"), paired("HetLoRA")
+        checks = [
+            ClaimCheck(f"FSLoRA mean final accuracy - FedAvg-LoRA(r=k_min={min(S.client_ranks)})", mean_of(d_fed),
+                       ">=", K_MIN_MARGIN, unit="acc", samples=d_fed),
+            ClaimCheck("FSLoRA mean final accuracy - HetLoRA", mean_of(d_het), ">=", HET_SLACK, unit="acc",
+                       samples=d_het),
+        ]
+        ratio = self._mean(records, "FSLoRA", "mean k/r (sampled)")
+        checks.append(ClaimCheck("FSLoRA adapter upload per client / ((mean sampled k_i / r) x full-rank upload)",
+                                 self._mean(records, "FSLoRA", "adapter upload KB/client") / (ratio * _full_adapter_kb(S)),
+                                 "<=", UPLOAD_SLACK, unit="x"))
+        auc = self._ablation(records)
+        if auc:
+            names = list(auc)
+            checks.append(ClaimCheck(f"sketch-ratio ablation: mean client train loss, ratio {S.ablation[0]}/{S.rank} "
+                                     f"minus ratio {S.ablation[-1]}/{S.rank} (larger ratio converges faster)",
+                                     auc[names[0]] - auc[names[-1]], ">", 0.0, unit="nats"))
+        return checks
+
+    @staticmethod
+    def _curves(records: Records[dict]) -> dict[str, dict[str, list[list[float]]]]:
+        """{name: {metric: [one curve per seed that ran it]}} in the order the runs happened."""
+        curves: dict[str, dict[str, list[list[float]]]] = {}
+        for r in records:
+            for name, c in r["curves"].items():
+                for m in ("accuracy", "train_loss"):
+                    curves.setdefault(name, {}).setdefault(m, []).append(c[m])
+        return curves
+
+    def _ablation(self, records: Records[dict]) -> dict[str, float]:
+        abl = {k: v for k, v in self._curves(records).items() if k.startswith("FSLoRA all k=")}
+        return {k: float(np.nanmean(v["train_loss"][0])) for k, v in abl.items()}
+
+    def extra(self, S: FSLoRASettings, records: Records[dict]) -> dict[str, Any]:
+        json_curves = {k: {m: [[None if not np.isfinite(x) else float(x) for x in run_] for run_ in runs]
+                           for m, runs in v.items()} for k, v in self._curves(records).items()}
+        extra: dict[str, Any] = {"curves": json_curves, "full_rank_adapter_upload_kb": _full_adapter_kb(S)}
+        auc = self._ablation(records)
+        if auc:
+            extra["ablation_mean_train_loss"] = auc
+        return extra
+
+    def figures(self, S: FSLoRASettings, records: Records[dict], out_dir: Path) -> list[str]:
+        plt = pyplot()
+        fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+        for name, c in self._curves(records).items():
+            with warnings.catch_warnings():  # a round no seed evaluated is NaN in the plot, not a warning
+                warnings.simplefilter("ignore", RuntimeWarning)
+                acc = np.nanmean(np.array(c["accuracy"], dtype=float), axis=0)
+                loss = np.nanmean(np.array(c["train_loss"], dtype=float), axis=0)
+            style = "--" if name.startswith("FSLoRA all") else "-"
+            axes[0].plot(range(len(acc)), acc, style, marker="o", ms=3, label=name)
+            axes[1].plot(range(1, len(loss) + 1), loss, style, marker="o", ms=3, label=name)
+        axes[0].set(xlabel="round", ylabel="test accuracy (global adapter)", title="accuracy per round")
+        axes[1].set(xlabel="round", ylabel="mean client training loss", title="client loss per round")
+        axes[0].legend(fontsize=7)
+        fig.tight_layout()
+        return [save_figure(fig, out_dir / "fslora_rounds.png")]
+
+    def notes(self, S: FSLoRASettings, records: Records[dict]) -> str:
+        full = bool(S.ablation or S.seed0_only)
+        return " ".join([
+            f"Full mode: {S.num_clients} clients, {S.per_round} per round, {S.rounds} rounds of {S.local_steps} local "
+            "steps, in-process clients through Flower's server loop." if full else
+            f"Measured under CPU contention (2 shared cores). Quick mode: {S.num_clients} clients, "
+            f"{S.per_round} per round, {S.rounds} rounds of {S.local_steps} local steps; in-process "
+            "clients through Flower's server loop (no Ray). Aggregation weighted by example counts for every "
+            "method (Flower's FedAvg does so); FSLoRA's paper default is 1/|C| (FSLoRAConfig.weighting='uniform').",
+            f"The small budget (few rounds, few local steps at lr {S.client_lr:g}) means accuracies are mostly "
+            "carried by the head, which every method trains in full; differences between adapters are small at "
+            "this scale.",
+            "Upload bytes are exact accounting of what each client sends; the head "
+            f"({self._table.rows['FSLoRA']['head upload KB/client'][0]:.1f} KB) is uploaded in full by every method "
+            "and is excluded from the ratio claim."])
+
+    def config(self, S: FSLoRASettings, records: Records[dict]) -> dict[str, Any]:
+        return {"weighting": "examples", "task_spec": TASK_SPEC}
 
 
-def _figure(curves: dict[str, dict[str, list[list[float]]]], out_dir: Path) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
-    for name, c in curves.items():
-        with warnings.catch_warnings():  # a round no seed evaluated is NaN in the plot, not a warning
-            warnings.simplefilter("ignore", RuntimeWarning)
-            acc = np.nanmean(np.array(c["accuracy"], dtype=float), axis=0)
-            loss = np.nanmean(np.array(c["train_loss"], dtype=float), axis=0)
-        style = "--" if name.startswith("FSLoRA all") else "-"
-        axes[0].plot(range(len(acc)), acc, style, marker="o", ms=3, label=name)
-        axes[1].plot(range(1, len(loss) + 1), loss, style, marker="o", ms=3, label=name)
-    axes[0].set(xlabel="round", ylabel="test accuracy (global adapter)", title="accuracy per round")
-    axes[1].set(xlabel="round", ylabel="mean client training loss", title="client loss per round")
-    axes[0].legend(fontsize=7)
-    fig.tight_layout()
-    name = "fslora_rounds.png"
-    fig.savefig(out_dir / name, dpi=110)
-    plt.close(fig)
-    return [name]
+REPRODUCTION = FSLoRAReproduction
+run = FSLoRAReproduction.run

@@ -25,7 +25,10 @@ Rows at (about) equal per-matrix trainable budget (head excluded; exact counts i
 * **head only** (full mode): frozen encoder, trained head.
 
 Learning rates: every row gets its best rate from the same grid, chosen once by :func:`lr_sweep` on a
-development seed with a validation split (:data:`LRS`); the head trains at 1e-3 in every adapter row.
+development seed with a validation split (``PsoftSettings.lrs``); the head trains at 1e-3 in every adapter row.
+What runs is :class:`PsoftSettings` (``SETTINGS[mode]``; ``rankwise reproduce psoft --set steps=30``): the
+model, targets, data and probe sizes, steps, rows, the ranks of PSOFT, LoRA/PiSSA and LoRA-XS, OFT's block
+size and the learning rates.
 
 Measured: test accuracy; *semantic preservation* = mean cosine similarity between the pretrained and
 the fine-tuned mean-pooled embeddings of 300 probe sentences (standard-library docstrings from the zoo
@@ -33,17 +36,24 @@ corpus, "eval" then "calib" splits); the orthogonality error ``||M^T M - I||_F``
 side with PEFT's PSOFT, the outputs at initialisation, the outputs after copying rankwise's trained
 core into PEFT's layers, and the training-step time ratio.
 
-Claims: (a) PSOFT mean accuracy >= LoRA's - 0.5 point and >= OFT's - 0.5 point (qualitative at this
-scale); (b) PSOFT's semantic-preservation cosine >= LoRA's and >= PiSSA's + 0.02; (c) rankwise's PSOFT
-computes PEFT's PSOFT: max |logit difference| <= 1e-5 at initialisation and <= 1e-4 after the trained
-core is copied across.
+Checks: (a) PSOFT mean accuracy >= LoRA's - 0.5 point and >= OFT's - 0.5 point (qualitative at this
+scale; ``claim`` checks, paired over the test sentences); (b) PSOFT's semantic-preservation cosine >= LoRA's
+and >= PiSSA's + 0.02 (``claim`` checks, paired over the probe sentences: their measured value is the mean of
+the per-sentence cosine differences in float64, which differs from the difference of the table's float32
+means by ~1e-7); (c) rankwise's PSOFT computes PEFT's PSOFT: max |logit difference| <= 1e-5 at
+initialisation and <= 1e-4 after the trained core is copied across (``wiring`` checks).
+
+Preconditions (added with the conversion to the skeleton; they can only move the verdict to
+``inconclusive``): the task does not saturate (not every row of (a) at >= 99 % test accuracy, the design's
+"within a point of 100 %") and LoRA and OFT learned (test accuracy above chance 1/4 by more than 0.10, the
+floor the LoRA reproduction uses).
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import statistics
-import time
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -65,7 +75,8 @@ from rankwise.repro.kit.cached_encoder import (
     trainable_adapter_params,
     train_lockstep,
 )
-from rankwise.repro.result import MODES, ClaimCheck, ReproResult, Table, environment
+from rankwise.repro.result import ClaimCheck, Precondition, Table
+from rankwise.repro.skeleton import Records, Reproduction, Settings, pyplot, save_figure, setting
 
 ID = "psoft"
 CLAIM = ("Confining an orthogonal transform (with two relaxation vectors) to the principal subspace of each weight "
@@ -77,38 +88,75 @@ R_LORA, ALPHA_LORA = 1, 2.0
 R_XS = 27
 OFT_BLOCK = 6
 LR_HEAD = 1e-3
-# (adapter lr, head lr) per row and mode, chosen by lr_sweep() on a development seed (see docs/methods/psoft.md).
+ALWAYS = ("PSOFT (rankwise)", "PSOFT (PEFT)")
+ROWS = ALWAYS + ("PSOFT Neumann t=5 (rankwise)", "PSOFT orth only (rankwise)", "LoRA (PEFT)", "PiSSA (PEFT)",
+                 "LoRA-XS", "OFT (PEFT)", "head only")
+# (adapter lr, head lr) per row, chosen by lr_sweep() on a development seed (see docs/methods/psoft.md).
 # quick: grid {1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2} (+ 1e-1 where the best was at the upper edge), seed 100,
 # quick settings, 400 validation sentences; best validation accuracy: PSOFT exact Cayley 0.990 @3e-2 (PEFT's
 # PSOFT computes the same function and trains at the same rate), PSOFT Neumann t=5 (rankwise and PEFT alike)
 # 0.845 @1e-2, LoRA r=1 0.673 @1e-4, PiSSA 0.680 @1e-3, LoRA-XS 0.985 @3e-2, OFT 0.998 @1e-1,
 # head only 0.865 @1e-1 (grid edge; the head's own rate).
-# full: the quick-mode rates (no separate sweep was run at the full settings; a per-mode table so one can be added).
-LRS: dict[str, dict[str, tuple[float, float]]] = {
-    "quick": {
-        "PSOFT (rankwise)": (3e-2, LR_HEAD),
-        "PSOFT (PEFT)": (3e-2, LR_HEAD),
-        "PSOFT Neumann t=5 (rankwise)": (1e-2, LR_HEAD),
-        "PSOFT orth only (rankwise)": (3e-2, LR_HEAD),
-        "LoRA (PEFT)": (1e-4, LR_HEAD),
-        "PiSSA (PEFT)": (1e-3, LR_HEAD),
-        "LoRA-XS": (3e-2, LR_HEAD),
-        "OFT (PEFT)": (1e-1, LR_HEAD),
-        "head only": (1e-1, 1e-1),
-    },
-}
-LRS["smoke"] = LRS["quick"]
-LRS["full"] = LRS["quick"]
-SETTINGS: dict[str, dict[str, Any]] = {
-    "smoke": dict(n_train=96, n_test=64, n_probe=32, top_layers=1, steps=3, batch_size=16, max_length=16),
-    "quick": dict(n_train=2000, n_test=1000, n_probe=300, top_layers=2, steps=60, batch_size=16, max_length=16,
-                  rows=("LoRA (PEFT)", "PiSSA (PEFT)", "OFT (PEFT)")),  # + both PSOFTs
-    "full": dict(n_train=2000, n_test=1000, n_probe=300, top_layers=6, steps=150, batch_size=16, max_length=16),
+# smoke and full use the quick-mode rates (no separate sweep was run at the full settings).
+LRS: tuple[tuple[str, float, float], ...] = (
+    ("PSOFT (rankwise)", 3e-2, LR_HEAD),
+    ("PSOFT (PEFT)", 3e-2, LR_HEAD),
+    ("PSOFT Neumann t=5 (rankwise)", 1e-2, LR_HEAD),
+    ("PSOFT orth only (rankwise)", 3e-2, LR_HEAD),
+    ("LoRA (PEFT)", 1e-4, LR_HEAD),
+    ("PiSSA (PEFT)", 1e-3, LR_HEAD),
+    ("LoRA-XS", 3e-2, LR_HEAD),
+    ("OFT (PEFT)", 1e-1, LR_HEAD),
+    ("head only", 1e-1, 1e-1),
+)
+COMPARED = ("LoRA (PEFT)", "PiSSA (PEFT)", "OFT (PEFT)")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PsoftSettings(Settings):
+    """What the PSOFT reproduction runs; ``SETTINGS[mode]`` holds each mode's values."""
+
+    model: str = setting("all-MiniLM-L6-v2", "the pretrained encoder (zoo.minilm)", choices=("all-MiniLM-L6-v2",))
+    targets: tuple[str, ...] = setting(TARGETS, "adapted module names of the top layers")
+    n_train: int = setting(2000, "training sentences (a multiple of 4)", lo=4)
+    n_test: int = setting(1000, "test sentences (a multiple of 4)", lo=4)
+    n_probe: int = setting(300, "probe sentences of the semantic-preservation cosine", lo=1)
+    top_layers: int = setting(2, "adapted top encoder layers (the layers below are cached)", lo=1, hi=6)
+    steps: int = setting(60, "training steps of every row (the same batches)", lo=1)
+    batch_size: int = setting(16, "sentences per step", lo=1)
+    max_length: int = setting(16, "tokens per sentence", lo=1)
+    rows: tuple[str, ...] | None = setting(COMPARED, "rows trained besides both PSOFTs (None: all)")
+    r_psoft: int = setting(R_PSOFT, "PSOFT rank r (r(r-1)/2 + 2r parameters per matrix)", lo=1)
+    r_lora: int = setting(R_LORA, "LoRA and PiSSA rank (alpha = 2 r)", lo=1)
+    r_xs: int = setting(R_XS, "LoRA-XS rank (r^2 parameters per matrix)", lo=1)
+    oft_block: int = setting(OFT_BLOCK, "OFT block size", lo=2)
+    lrs: tuple[tuple[str, float, float], ...] = setting(LRS, "(row, adapter lr, head lr) per row, by lr_sweep")
+    orth_every: int = setting(10, "steps between orthogonality-error measurements", lo=1)
+
+    def validate(self) -> None:
+        if self.n_train % 4 or self.n_test % 4:
+            raise ValueError(f"PsoftSettings.n_train and n_test must be multiples of 4, got {self.n_train}, "
+                             f"{self.n_test}")
+        unknown = [r for r in (self.rows or ()) if r not in ROWS]
+        if unknown:
+            raise ValueError(f"PsoftSettings.rows must be among {ROWS}, got {unknown}")
+        if self.rows is not None and not set(COMPARED) <= set(self.rows):
+            raise ValueError(f"PsoftSettings.rows must include the compared rows {COMPARED}, got {self.rows}")
+        missing = [r for r in (self.rows or ROWS) + ALWAYS if r not in {x[0] for x in self.lrs}]
+        if missing:
+            raise ValueError(f"PsoftSettings.lrs has no learning rate for {missing}")
+
+
+SETTINGS: dict[str, PsoftSettings] = {
+    "smoke": PsoftSettings(n_train=96, n_test=64, n_probe=32, top_layers=1, steps=3, rows=None),
+    "quick": PsoftSettings(),  # LoRA, PiSSA, OFT + both PSOFTs
+    "full": PsoftSettings(top_layers=6, steps=150, rows=None),
 }
 ACC_SLACK = -0.005       # (a) PSOFT >= LoRA - 0.5 pt and >= OFT - 0.5 pt
 COS_MARGIN_PISSA = 0.02  # (b) PSOFT >= PiSSA + 0.02
 TOL_INIT, TOL_TRANSPLANT = 1e-5, 1e-4
-ORTH_EVERY = 10
+SATURATED = 0.99         # precondition: not every row of (a) at >= 99 % test accuracy (within a point of 100 %)
+MIN_ABOVE_CHANCE = 0.10  # precondition: LoRA's and OFT's accuracy - chance (1/4) > 0.10
 
 
 def probe_sentences(n: int) -> list[str]:
@@ -163,36 +211,39 @@ def _peft_orth_error(model: nn.Module) -> float:
     return statistics.fmean(errs)
 
 
-def _build_models(base: TopModel, rows: Sequence[str] | None = None) -> dict[str, nn.Module]:
+def _build_models(base: TopModel, S: PsoftSettings, rows: Sequence[str] | None = None) -> dict[str, nn.Module]:
     """The compared models (only ``rows`` if given, both PSOFTs always), fresh copies of ``base``; every one
-    starts at the base model's function."""
+    starts at the base model's function. Ranks, block size and targets come from ``S``."""
     import peft
 
     def want(row: str) -> bool:
-        return rows is None or row in rows or row in ("PSOFT (rankwise)", "PSOFT (PEFT)")
+        return rows is None or row in rows or row in ALWAYS
+
+    T = S.targets
+    alpha_lora = ALPHA_LORA / R_LORA * S.r_lora
 
     def ours(cfg: psoft.PSOFTConfig) -> nn.Module:
-        m = psoft.adapt(copy.deepcopy(base), cfg, target=TARGETS)
+        m = psoft.adapt(copy.deepcopy(base), cfg, target=T)
         for p in m.classifier.parameters():
             p.requires_grad_(True)
         return m
 
     builders: dict[str, Callable[[], nn.Module]] = {
-        "PSOFT (rankwise)": lambda: ours(psoft.PSOFTConfig(r=R_PSOFT, cayley="exact", target=TARGETS)),
+        "PSOFT (rankwise)": lambda: ours(psoft.PSOFTConfig(r=S.r_psoft, cayley="exact", target=T)),
         "PSOFT (PEFT)": lambda: peft_inject(copy.deepcopy(base), peft.PsoftConfig(
-            r=R_PSOFT, psoft_alpha=R_PSOFT, use_cayley_neumann=False, target_modules=list(TARGETS))),
-        "PSOFT Neumann t=5 (rankwise)": lambda: ours(psoft.PSOFTConfig(r=R_PSOFT, cayley="neumann",
-                                                                       neumann_terms=T_NEUMANN, target=TARGETS)),
-        "PSOFT orth only (rankwise)": lambda: ours(psoft.PSOFTConfig(r=R_PSOFT, cayley="exact", train_alpha=False,
-                                                                     train_beta=False, target=TARGETS)),
+            r=S.r_psoft, psoft_alpha=S.r_psoft, use_cayley_neumann=False, target_modules=list(T))),
+        "PSOFT Neumann t=5 (rankwise)": lambda: ours(psoft.PSOFTConfig(r=S.r_psoft, cayley="neumann",
+                                                                       neumann_terms=T_NEUMANN, target=T)),
+        "PSOFT orth only (rankwise)": lambda: ours(psoft.PSOFTConfig(r=S.r_psoft, cayley="exact", train_alpha=False,
+                                                                     train_beta=False, target=T)),
         "LoRA (PEFT)": lambda: peft_inject(copy.deepcopy(base), peft.LoraConfig(
-            r=R_LORA, lora_alpha=ALPHA_LORA, target_modules=list(TARGETS))),
+            r=S.r_lora, lora_alpha=alpha_lora, target_modules=list(T))),
         "PiSSA (PEFT)": lambda: peft_inject(copy.deepcopy(base), peft.LoraConfig(
-            r=R_LORA, lora_alpha=ALPHA_LORA, init_lora_weights="pissa", target_modules=list(TARGETS))),
-        "LoRA-XS": lambda: ours(psoft.PSOFTConfig(r=R_XS, orth=False, train_alpha=False, train_beta=False,
-                                                  target=TARGETS)),
+            r=S.r_lora, lora_alpha=alpha_lora, init_lora_weights="pissa", target_modules=list(T))),
+        "LoRA-XS": lambda: ours(psoft.PSOFTConfig(r=S.r_xs, orth=False, train_alpha=False, train_beta=False,
+                                                  target=T)),
         "OFT (PEFT)": lambda: peft_inject(copy.deepcopy(base), peft.OFTConfig(
-            r=0, oft_block_size=OFT_BLOCK, target_modules=list(TARGETS))),
+            r=0, oft_block_size=S.oft_block, target_modules=list(T))),
         "head only": lambda: _head_only(base),
     }
     return {row: build() for row, build in builders.items() if want(row)}
@@ -207,18 +258,30 @@ def _head_only(base: TopModel) -> nn.Module:
     return model
 
 
-def _run_seed(seed: int, S: dict[str, Any], bert: nn.Module, tok: Any, probes: list[str], table: Table,
-              extra: dict[str, Any]) -> None:
-    train, test = negation_task(seed, S["n_train"], S["n_test"])
-    prefix = FrozenPrefix(bert, tok, len(bert.encoder.layer) - S["top_layers"], S["max_length"])
-    idx = batch_indices(len(train), S["steps"], S["batch_size"], seed)
+COLUMNS = ["test accuracy", "semantic cosine", "trainable params / matrix", "final train loss", "median step (ms)",
+           "final orth error", "step-time ratio vs PEFT PSOFT"]
+COLUMN_NOTES = {"semantic cosine": "mean cosine(pretrained, fine-tuned) sentence embedding of the probe set",
+                "final orth error": "mean over layers of ||M^T M - I||_F after training"}
+
+
+def _lrs(S: PsoftSettings, names: Sequence[str]) -> dict[str, tuple[float, float]]:
+    table = {row: (a, h) for row, a, h in S.lrs}
+    return {name: table[name] for name in names}
+
+
+def _measure(seed: int, S: PsoftSettings, bert: nn.Module, tok: Any, probes: list[str]) -> dict[str, Any]:
+    """One seed: the seed's table fragment, its side-by-side record and the per-example values of the checks."""
+    table = Table(columns=list(COLUMNS), notes=dict(COLUMN_NOTES))
+    train, test = negation_task(seed, S.n_train, S.n_test)
+    prefix = FrozenPrefix(bert, tok, len(bert.encoder.layer) - S.top_layers, S.max_length)
+    idx = batch_indices(len(train), S.steps, S.batch_size, seed)
     batches = CachedSplit(prefix, train, [idx]).batches(idx)
     te = CachedSplit(prefix, test, keep_all=True)
     h_te, m_te, y_te = te.hidden, te.mask, te.labels
     h_pr, m_pr = prefix.encode(probes)
-    base = TopModel(bert, S["top_layers"], len(LABELS), seed)
+    base = TopModel(bert, S.top_layers, len(LABELS), seed)
     emb0 = pooled_cached(base, h_pr, m_pr)
-    models = _build_models(base, S.get("rows"))
+    models = _build_models(base, S, S.rows)
 
     _, logits_rw0 = evaluate_cached(models["PSOFT (rankwise)"], h_te, m_te, y_te)
     _, logits_pm0 = evaluate_cached(models["PSOFT (PEFT)"], h_te, m_te, y_te)
@@ -234,7 +297,7 @@ def _run_seed(seed: int, S: dict[str, Any], bert: nn.Module, tok: Any, probes: l
         orth_curve["rankwise Neumann t=5"] = [(0, _orth_error(models[neumann]))]
 
     def track(i: int, _: dict[str, float]) -> None:
-        if (i + 1) % ORTH_EVERY == 0 or i + 1 == len(batches):
+        if (i + 1) % S.orth_every == 0 or i + 1 == len(batches):
             orth_curve["rankwise"].append((i + 1, _orth_error(models["PSOFT (rankwise)"])))
             orth_curve["PEFT"].append((i + 1, _peft_orth_error(models["PSOFT (PEFT)"])))
             if neumann in models:
@@ -242,13 +305,18 @@ def _run_seed(seed: int, S: dict[str, Any], bert: nn.Module, tok: Any, probes: l
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", UserWarning)
-        trainers = train_lockstep(models, batches, seed, {name: S["lrs"][name] for name in models}, callback=track)
+        trainers = train_lockstep(models, batches, seed, _lrs(S, list(models)), callback=track)
     neumann_warnings = sum("truncated Neumann series" in str(w.message) for w in caught)
 
     n_matrices = len(psoft.psoft_layers(models["PSOFT (rankwise)"]))
+    correct: dict[str, list[float]] = {}
+    cosines: dict[str, list[float]] = {}
     for row, model in models.items():
-        acc, _ = evaluate_cached(model, h_te, m_te, y_te)
-        cos = float(nn.functional.cosine_similarity(pooled_cached(model, h_pr, m_pr), emb0, dim=-1).mean())
+        acc, logits = evaluate_cached(model, h_te, m_te, y_te)
+        cos_each = nn.functional.cosine_similarity(pooled_cached(model, h_pr, m_pr), emb0, dim=-1)
+        cos = float(cos_each.mean())
+        correct[row] = (logits.argmax(-1) == y_te).double().tolist()
+        cosines[row] = cos_each.double().tolist()
         table.add(row, "test accuracy", acc)
         table.add(row, "semantic cosine", cos)
         table.add(row, "trainable params / matrix", trainable_adapter_params(model) / n_matrices)
@@ -271,7 +339,7 @@ def _run_seed(seed: int, S: dict[str, Any], bert: nn.Module, tok: Any, probes: l
         models["PSOFT (PEFT)"].classifier.load_state_dict(models["PSOFT (rankwise)"].classifier.state_dict())
     _, logits_pm = evaluate_cached(models["PSOFT (PEFT)"], h_te, m_te, y_te)
     transplant_diff = float((logits_rw - logits_pm).abs().max())
-    extra.setdefault("seeds", {})[str(seed)] = {
+    info = {
         "init_logit_diff_vs_peft": init_diff, "init_logit_diff_vs_base": init_vs_base,
         "transplant_logit_diff": transplant_diff, "step_time_ratio": ratio, "neumann_warnings": neumann_warnings,
         "orth_curve": orth_curve, "losses": {row: t.losses for row, t in trainers.items()},
@@ -279,28 +347,30 @@ def _run_seed(seed: int, S: dict[str, Any], bert: nn.Module, tok: Any, probes: l
         "q_norm_final_neumann": ([r["q_norm"] for r in psoft.orthogonality_report(models[neumann])]
                                  if neumann in models else None),
     }
+    return {"table": table, "info": info, "correct": correct, "cosines": cosines}
 
 
 def lr_sweep(grid: Sequence[float] = (3e-4, 1e-3, 3e-3, 1e-2), seed: int = 100, mode: str = "quick",
-             n_val: int = 400, rows: Sequence[str] | None = None) -> dict[str, dict[float, float]]:
+             n_val: int = 400, rows: Sequence[str] | None = None, settings: PsoftSettings | None = None
+             ) -> dict[str, dict[float, float]]:
     """Validation accuracy of every row at each adapter learning rate of ``grid`` (head at ``LR_HEAD``;
-    the head-only row sweeps the head's rate) on a development seed with the settings of ``mode``: train on the first
-    ``n_train - n_val`` training sentences, score the last ``n_val`` (never the test set). This is how
-    :data:`LRS` was chosen, once, before the reported runs (docs/methods/psoft.md)."""
+    the head-only row sweeps the head's rate) on a development seed with the settings of ``mode`` (or
+    ``settings``): train on the first ``n_train - n_val`` training sentences, score the last ``n_val`` (never
+    the test set). This is how :data:`LRS` was chosen, once, before the reported runs (docs/methods/psoft.md)."""
     from rankwise import zoo
 
-    S = SETTINGS[mode]
+    S = settings if settings is not None else SETTINGS[mode]
     bert, tok = zoo.minilm()
-    pool, _ = negation_task(seed, S["n_train"], S["n_test"])
+    pool, _ = negation_task(seed, S.n_train, S.n_test)
     train, val = pool[: len(pool) - n_val], pool[len(pool) - n_val:]
-    prefix = FrozenPrefix(bert, tok, len(bert.encoder.layer) - S["top_layers"], S["max_length"])
-    idx = batch_indices(len(train), S["steps"], S["batch_size"], seed)
+    prefix = FrozenPrefix(bert, tok, len(bert.encoder.layer) - S.top_layers, S.max_length)
+    idx = batch_indices(len(train), S.steps, S.batch_size, seed)
     batches = CachedSplit(prefix, train, [idx]).batches(idx)
     va = CachedSplit(prefix, val, keep_all=True)
-    base = TopModel(bert, S["top_layers"], len(LABELS), seed)
+    base = TopModel(bert, S.top_layers, len(LABELS), seed)
     out: dict[str, dict[float, float]] = {}
     for lr in grid:
-        models = _build_models(base, rows)
+        models = _build_models(base, S, rows)
         if rows is not None:
             models = {k: v for k, v in models.items() if k in rows}
         with warnings.catch_warnings():
@@ -311,12 +381,102 @@ def lr_sweep(grid: Sequence[float] = (3e-4, 1e-3, 3e-3, 1e-2), seed: int = 100, 
     return out
 
 
-def _figures(table: Table, extra: dict[str, Any], out_dir: Path) -> list[str]:
-    import matplotlib
+class PsoftReproduction(Reproduction[PsoftSettings, dict]):
+    id = ID
+    claim = CLAIM
+    settings = SETTINGS
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    def measure(self, settings: PsoftSettings, seed: int) -> dict[str, Any]:
+        if not hasattr(self, "_bert"):  # one load and one probe set shared by every seed
+            from rankwise import zoo
 
+            self._bert, self._tok = zoo.minilm()
+            self._probes = probe_sentences(settings.n_probe)
+        return _measure(seed, settings, self._bert, self._tok, self._probes)
+
+    def table(self, settings: PsoftSettings, records: Records[dict]) -> Table:
+        table = Table(columns=list(COLUMNS), notes=dict(COLUMN_NOTES))
+        for r in records:
+            table.extend(r["table"])
+        self._table = table
+        return table
+
+    def preconditions(self, settings: PsoftSettings, records: Records[dict]) -> list[Precondition]:
+        acc = {r: self._table.mean(r, "test accuracy") for r in ("PSOFT (rankwise)", "LoRA (PEFT)", "OFT (PEFT)")}
+        chance = 1.0 / len(LABELS)
+        return [
+            Precondition("the task does not saturate: min over PSOFT, LoRA and OFT of mean test accuracy",
+                         min(acc.values()), "<", SATURATED),
+            Precondition("LoRA (PEFT) learned: mean test accuracy - chance (1/4)", acc["LoRA (PEFT)"] - chance, ">",
+                         MIN_ABOVE_CHANCE),
+            Precondition("OFT (PEFT) learned: mean test accuracy - chance (1/4)", acc["OFT (PEFT)"] - chance, ">",
+                         MIN_ABOVE_CHANCE),
+        ]
+
+    def checks(self, settings: PsoftSettings, records: Records[dict]) -> list[ClaimCheck]:
+        acc = {r: self._table.mean(r, "test accuracy") for r in self._table.rows}
+        per = [r["info"] for r in records]
+
+        def paired(key: str, other: str) -> list[list[float]]:
+            return [[a - b for a, b in zip(r[key]["PSOFT (rankwise)"], r[key][other])] for r in records]
+
+        def mean_of(samples: list[list[float]]) -> float:
+            return statistics.fmean(statistics.fmean(s) for s in samples)
+
+        cos_lora, cos_pissa = paired("cosines", "LoRA (PEFT)"), paired("cosines", "PiSSA (PEFT)")
+        return [
+            ClaimCheck("(a) test accuracy PSOFT - LoRA (PEFT, equal budget), mean over seeds",
+                       acc["PSOFT (rankwise)"] - acc["LoRA (PEFT)"], ">=", ACC_SLACK, unit="acc",
+                       samples=paired("correct", "LoRA (PEFT)")),
+            ClaimCheck("(a) test accuracy PSOFT - OFT (PEFT, closest budget), mean over seeds",
+                       acc["PSOFT (rankwise)"] - acc["OFT (PEFT)"], ">=", ACC_SLACK, unit="acc",
+                       samples=paired("correct", "OFT (PEFT)")),
+            ClaimCheck("(b) semantic-preservation cosine PSOFT - LoRA (PEFT), mean over probe sentences and seeds",
+                       mean_of(cos_lora), ">=", 0.0, samples=cos_lora),
+            ClaimCheck("(b) semantic-preservation cosine PSOFT - PiSSA (PEFT), mean over probe sentences and seeds",
+                       mean_of(cos_pissa), ">=", COS_MARGIN_PISSA, samples=cos_pissa),
+            ClaimCheck("(c) max |logit diff| rankwise PSOFT vs PEFT PSOFT at initialisation",
+                       max(s["init_logit_diff_vs_peft"] for s in per), "<=", TOL_INIT, kind="wiring"),
+            ClaimCheck("(c) max |logit diff| after copying rankwise's trained core into PEFT's PSOFT",
+                       max(s["transplant_logit_diff"] for s in per), "<=", TOL_TRANSPLANT, kind="wiring"),
+        ]
+
+    def figures(self, settings: PsoftSettings, records: Records[dict], out_dir: Path) -> list[str]:
+        return _figures(self._table, {str(s): r["info"] for s, r in records.items()}, out_dir)
+
+    def notes(self, settings: PsoftSettings, records: Records[dict]) -> str:
+        S = settings
+        ratio = statistics.median(r["info"]["step_time_ratio"] for r in records)
+        return (
+            f"MiniLM top {S.top_layers} layer(s) adapted ({', '.join(S.targets)}; lower layers cached), "
+            f"{S.steps} steps of batch {S.batch_size}; AdamW, linear schedule, per-method learning rates (the settings' "
+            "lrs, chosen by lr_sweep on a development seed with a validation split). The PSOFT rows compared in the "
+            "claims use the exact Cayley map (the method's definition and PEFT's default); the spec's default, the "
+            "truncated Neumann series with t = 5 terms, is accurate only while ||Q|| < 1, and at the learning rates "
+            "this short schedule needs ||Q|| passes 1 (rankwise warns), the series stops being orthogonal and "
+            "training degrades: see the 'PSOFT Neumann t=5' row and its orthogonality error in full mode. PSOFT puts "
+            "the singular values on the output side (B = U S, A = V^T, rows of A orthonormal), the PSOFT authors' "
+            "reading as in PEFT's psoft_init; with the same frozen factors rankwise and PEFT compute the same function "
+            f"(claim c). Median training-step time ratio rankwise / PEFT PSOFT (lock-stepped, same batches): "
+            f"{ratio:.3f}. Semantic preservation compares mean-pooled final hidden states (the encoder's sentence "
+            f"embedding, not the head) on {S.n_probe} standard-library docstring sentences, which the task never "
+            "shows; its checks are paired over those sentences. BOFT is not run: its smallest configuration on a "
+            "384 x 384 layer (block 2) has 1 152 trainable parameters, 48 % over the budget. Claim (a) depends on "
+            "training at small scale and is qualitative.")
+
+    def config(self, settings: PsoftSettings, records: Records[dict]) -> dict[str, Any]:
+        S = settings
+        return {"neumann_terms": T_NEUMANN,
+                "params_per_matrix": {"PSOFT": psoft.num_parameters(S.r_psoft), "LoRA": S.r_lora * 768,
+                                      "PiSSA": S.r_lora * 768, "LoRA-XS": S.r_xs * S.r_xs,
+                                      "OFT": 384 * (S.oft_block - 1) // 2}}
+
+    def extra(self, settings: PsoftSettings, records: Records[dict]) -> dict[str, Any]:
+        return {"seeds": {str(s): r["info"] for s, r in records.items()}}
+
+
+def _figures(table: Table, seeds: dict[str, Any], out_dir: Path) -> list[str]:
+    plt = pyplot()
     rows = list(table.rows)
     fig, ax = plt.subplots(1, 3, figsize=(15, 4))
     for k, (col, title) in enumerate((("test accuracy", "test accuracy"),
@@ -326,7 +486,7 @@ def _figures(table: Table, extra: dict[str, Any], out_dir: Path) -> list[str]:
                                                                              "tab:blue" for r in rows])
         ax[k].set_xlim(max(0.0, min(means) - 0.05), 1.0)
         ax[k].set_title(title)
-    for seed, s in extra["seeds"].items():
+    for seed, s in seeds.items():
         for impl, curve in s["orth_curve"].items():
             ax[2].plot([c[0] for c in curve], [c[1] for c in curve], marker=".",
                        label=f"{impl} seed {seed}")
@@ -335,77 +495,8 @@ def _figures(table: Table, extra: dict[str, Any], out_dir: Path) -> list[str]:
     ax[2].set_title("PSOFT drift from orthogonality")
     ax[2].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(out_dir / "psoft_accuracy_preservation.png", dpi=120)
-    plt.close(fig)
-    return ["psoft_accuracy_preservation.png"]
+    return [save_figure(fig, out_dir / "psoft_accuracy_preservation.png", dpi=120)]
 
 
-def run(mode: str, seeds: Sequence[int], out_dir: Path) -> ReproResult:
-    """Run the PSOFT reproduction in ``mode`` ("smoke", "quick", "full") over ``seeds``; see the module docstring."""
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-    seeds = list(seeds)
-    if not seeds:
-        raise ValueError("seeds must not be empty")
-    from rankwise import zoo
-
-    t0 = time.perf_counter()
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    S = dict(SETTINGS[mode], lrs=LRS[mode])
-    bert, tok = zoo.minilm()
-    probes = probe_sentences(S["n_probe"])
-    table = Table(columns=["test accuracy", "semantic cosine", "trainable params / matrix", "final train loss",
-                           "median step (ms)", "final orth error", "step-time ratio vs PEFT PSOFT"],
-                  notes={"semantic cosine": "mean cosine(pretrained, fine-tuned) sentence embedding of the probe set",
-                         "final orth error": "mean over layers of ||M^T M - I||_F after training"})
-    extra: dict[str, Any] = {}
-    for seed in seeds:
-        _run_seed(seed, S, bert, tok, probes, table, extra)
-
-    acc = {r: table.mean(r, "test accuracy") for r in table.rows}
-    cos = {r: table.mean(r, "semantic cosine") for r in table.rows}
-    per = extra["seeds"].values()
-    checks = [
-        ClaimCheck("(a) test accuracy PSOFT - LoRA (PEFT, equal budget), mean over seeds",
-                   acc["PSOFT (rankwise)"] - acc["LoRA (PEFT)"], ">=", ACC_SLACK, unit="acc"),
-        ClaimCheck("(a) test accuracy PSOFT - OFT (PEFT, closest budget), mean over seeds",
-                   acc["PSOFT (rankwise)"] - acc["OFT (PEFT)"], ">=", ACC_SLACK, unit="acc"),
-        ClaimCheck("(b) semantic-preservation cosine PSOFT - LoRA (PEFT)", cos["PSOFT (rankwise)"] - cos["LoRA (PEFT)"],
-                   ">=", 0.0),
-        ClaimCheck("(b) semantic-preservation cosine PSOFT - PiSSA (PEFT)",
-                   cos["PSOFT (rankwise)"] - cos["PiSSA (PEFT)"], ">=", COS_MARGIN_PISSA),
-        ClaimCheck("(c) max |logit diff| rankwise PSOFT vs PEFT PSOFT at initialisation",
-                   max(s["init_logit_diff_vs_peft"] for s in per), "<=", TOL_INIT),
-        ClaimCheck("(c) max |logit diff| after copying rankwise's trained core into PEFT's PSOFT",
-                   max(s["transplant_logit_diff"] for s in per), "<=", TOL_TRANSPLANT),
-    ]
-    ratio = statistics.median(s["step_time_ratio"] for s in per)
-    figures = _figures(table, extra, out_dir)
-    notes = (
-        f"MiniLM top {S['top_layers']} layer(s) adapted (q, k, v, attention.output.dense; lower layers cached), "
-        f"{S['steps']} steps of batch {S['batch_size']}; AdamW, linear schedule, per-method learning rates (LRS, "
-        "chosen by lr_sweep on a development seed with a validation split). The PSOFT rows compared in the claims "
-        "use the exact Cayley map (the method's definition and PEFT's default); the spec's default, the truncated "
-        "Neumann series with t = 5 terms, is accurate only while ||Q|| < 1, and at the learning rates this short "
-        "schedule needs ||Q|| passes 1 (rankwise warns), the series stops being orthogonal and training degrades: "
-        "see the 'PSOFT Neumann t=5' row and its orthogonality error in full mode. PSOFT puts the singular "
-        "values on the output side (B = U S, A = V^T, rows of A orthonormal), the PSOFT authors' reading as in "
-        "PEFT's psoft_init; with the same frozen factors rankwise and PEFT compute the same function (claim c). "
-        f"Median training-step time ratio rankwise / PEFT PSOFT (lock-stepped, same batches): {ratio:.3f}. "
-        "Semantic preservation compares mean-pooled final hidden states (the encoder's sentence embedding, not the "
-        "head) on 300 standard-library docstring sentences, which the task never shows. BOFT is not run: its "
-        "smallest configuration on a 384 x 384 layer (block 2) has 1 152 trainable parameters, 48 % over the "
-        "budget. Claim (a) depends on training at small scale and is qualitative.")
-    result = ReproResult(
-        id=ID, mode=mode, seeds=seeds, claim=CLAIM, table=table, checks=checks, figures=figures, notes=notes,
-        config={"settings": {k: v for k, v in S.items() if k != "lrs"}, "targets": list(TARGETS), "r_psoft": R_PSOFT,
-                "neumann_terms": T_NEUMANN,
-                "r_lora": R_LORA, "alpha_lora": ALPHA_LORA, "r_lora_xs": R_XS, "oft_block_size": OFT_BLOCK,
-                "lrs": {k: list(v) for k, v in LRS[mode].items()},
-                "params_per_matrix": {"PSOFT": psoft.num_parameters(R_PSOFT), "LoRA": R_LORA * 768,
-                                      "PiSSA": R_LORA * 768, "LoRA-XS": R_XS * R_XS,
-                                      "OFT": 384 * (OFT_BLOCK - 1) // 2}},
-        wall_time_s=time.perf_counter() - t0, environment=environment(seeds), extra=extra)
-    result.save(out_dir)
-    return result
+REPRODUCTION = PsoftReproduction
+run = PsoftReproduction.run
