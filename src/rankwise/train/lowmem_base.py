@@ -38,6 +38,7 @@ __all__ = [
     "LowMemOptimizer",
     "adamw_step",
     "check_betas",
+    "check_racs_fields",
     "closure_loss",
     "lowmem_entry",
     "norm_growth_limit",
@@ -65,6 +66,18 @@ def check_betas(field: str, value: Any, n: int) -> tuple[float, ...]:
     if not isinstance(value, (tuple, list)) or len(value) != n:
         raise ValueError(f"{field} must be a tuple of {n} numbers in [0, 1), got {value!r}")
     return tuple(check_unit(f"{field}[{i}]", v, high_open=True) for i, v in enumerate(value))  # type: ignore[misc]
+
+
+def check_racs_fields(owner: str, config: Any) -> None:
+    """RACS's own hyper-parameters, shared by :class:`RACSConfig` and ``LRACSConfig``: ``lr > 0``,
+    ``beta`` in [0, 1), ``alpha > 0``, ``gamma >= 1``, ``eps >= 0``; messages name ``<owner>.<field>``
+    (the bare field when ``owner`` is empty)."""
+    p = f"{owner}." if owner else ""
+    check_positive(f"{p}lr", config.lr)
+    check_unit(f"{p}beta", config.beta, high_open=True)
+    check_positive(f"{p}alpha", config.alpha)
+    check_number(f"{p}gamma", config.gamma, 1.0)
+    check_number(f"{p}eps", config.eps, 0.0)
 
 
 def user_stacklevel() -> int:

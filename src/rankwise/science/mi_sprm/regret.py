@@ -188,38 +188,47 @@ class _PRMPlus(_RM):
         self._check(self.R, "regret")
 
 
-class _SPRMPlus(RegretMinimizer):
-    name = "SPRM+"
+class _SmoothRM(RegretMinimizer):
+    """What SPRM+ and SEG-RM+ share: steps ``R <- Pi_D(R + eta r)`` on ``D = {R >= 0, ||R||_1 >= r0}``,
+    starting at ``R = r0 / n`` per action."""
 
     def __init__(self, num_actions: int, batch: tuple[int, ...], eta: float, r0: float) -> None:
         super().__init__(num_actions, batch)
         self.eta, self.r0 = float(eta), float(r0)
         self.R = np.full(self.shape, self.r0 / self.num_actions)
-        self.m = np.zeros(self.shape)
 
-    def _strategy(self) -> np.ndarray:
-        return normalize(project_regret_domain(self.R + self.eta * self.m, self.r0))
-
-    def _update(self, loss: np.ndarray, x: np.ndarray) -> None:
-        r = instant_regret(loss, x)
-        self.R = project_regret_domain(self.R + self.eta * r, self.r0)
-        self.m = r
-        self._check(self.R, "regret")
+    def _stepped(self, r: np.ndarray) -> np.ndarray:
+        return project_regret_domain(self.R + self.eta * r, self.r0)
 
     @property
     def eta_eff(self) -> float:
         return self.eta
 
 
-class _SEGRMPlus(RegretMinimizer):
+class _SPRMPlus(_SmoothRM):
+    name = "SPRM+"
+
+    def __init__(self, num_actions: int, batch: tuple[int, ...], eta: float, r0: float) -> None:
+        super().__init__(num_actions, batch, eta, r0)
+        self.m = np.zeros(self.shape)
+
+    def _strategy(self) -> np.ndarray:
+        return normalize(self._stepped(self.m))
+
+    def _update(self, loss: np.ndarray, x: np.ndarray) -> None:
+        r = instant_regret(loss, x)
+        self.R = self._stepped(r)
+        self.m = r
+        self._check(self.R, "regret")
+
+
+class _SEGRMPlus(_SmoothRM):
     """Smooth extragradient RM+: two loss observations per update (exploration, then update)."""
 
     name = "SEG-RM+"
 
     def __init__(self, num_actions: int, batch: tuple[int, ...], eta: float, r0: float) -> None:
-        super().__init__(num_actions, batch)
-        self.eta, self.r0 = float(eta), float(r0)
-        self.R = np.full(self.shape, self.r0 / self.num_actions)
+        super().__init__(num_actions, batch, eta, r0)
         self.W: np.ndarray | None = None  # the extrapolated point, set during the second half-step
         self.in_average = False
 
@@ -234,16 +243,12 @@ class _SEGRMPlus(RegretMinimizer):
     def _update(self, loss: np.ndarray, x: np.ndarray) -> None:
         r = instant_regret(loss, x)
         if self.W is None:
-            self.W = project_regret_domain(self.R + self.eta * r, self.r0)
+            self.W = self._stepped(r)
             self._check(self.W, "extrapolated regret")
         else:
-            self.R = project_regret_domain(self.R + self.eta * r, self.r0)
+            self.R = self._stepped(r)
             self.W = None
             self._check(self.R, "regret")
-
-    @property
-    def eta_eff(self) -> float:
-        return self.eta
 
 
 class _MISPRMPlus(RegretMinimizer):

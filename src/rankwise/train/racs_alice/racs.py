@@ -46,6 +46,7 @@ from rankwise.train.lowmem_base import (
     TINY,
     LowMemOptimizer,
     check_betas,
+    check_racs_fields,
     lowmem_entry,
     norm_growth_limit,
     racs_scale,
@@ -108,11 +109,7 @@ class RACSConfig:
     adamw_eps: float = 1e-8
 
     def __post_init__(self) -> None:
-        check_positive("lr", self.lr)
-        check_unit("beta", self.beta, high_open=True)
-        check_positive("alpha", self.alpha)
-        check_number("gamma", self.gamma, 1.0)
-        check_number("eps", self.eps, 0.0)
+        check_racs_fields("", self)
         check_number("weight_decay", self.weight_decay, 0.0)
         check_bool("normalize", self.normalize)
         object.__setattr__(self, "adamw_betas", check_betas("adamw_betas", self.adamw_betas, 2))

@@ -51,8 +51,8 @@ from torch import nn
 from rankwise.core.errors import NumericalError, RankwiseError
 from rankwise.core.registry import register
 from rankwise.core.validate import check_bool, check_choice, check_number, check_positive, check_unit
-from rankwise.train.lowmem_base import (FromConfig, adamw_step, check_betas, closure_loss, norm_growth_limit,
-                                         racs_scale, racs_stats_step_)
+from rankwise.train.lowmem_base import (FromConfig, adamw_step, check_betas, check_racs_fields, closure_loss,
+                                         norm_growth_limit, racs_scale, racs_stats_step_)
 
 __all__ = [
     "AdamS",
@@ -620,11 +620,7 @@ class LRACSConfig:
     ridge: float = 0.0
 
     def __post_init__(self) -> None:
-        check_positive("LRACSConfig.lr", self.lr)
-        check_unit("LRACSConfig.beta", self.beta, high_open=True)
-        check_positive("LRACSConfig.alpha", self.alpha)
-        check_number("LRACSConfig.gamma", self.gamma, 1.0)
-        check_number("LRACSConfig.eps", self.eps, 0.0)
+        check_racs_fields("LRACSConfig", self)
         check_bool("LRACSConfig.limiter", self.limiter)
         check_number("LRACSConfig.rcond", self.rcond, 0.0)
         check_number("LRACSConfig.ridge", self.ridge, 0.0)
