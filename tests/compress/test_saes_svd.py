@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import math
 
 import pytest
@@ -373,7 +375,9 @@ class _Recorder(saes.SAESMethod):
     seen: dict = {}
 
     def fit(self, name, layer, rank, stats=None, paired=None):
-        type(self).seen[name] = paired
+        # a shallow copy: the block-sequential runner releases each block's statistics buffers once
+        # the block is fitted (compress.calibration.release_stats), the copy keeps the tensors alive
+        type(self).seen[name] = copy.copy(paired)
         return super().fit(name, layer, rank, stats, paired)
 
 
