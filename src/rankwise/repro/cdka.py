@@ -66,7 +66,8 @@ from torch import nn
 from rankwise.adapt import cdka
 from rankwise.core.select import select
 from rankwise.repro.result import ClaimCheck, Precondition, Table
-from rankwise.repro.skeleton import Records, Reproduction, Settings, pyplot, save_figure, setting
+from rankwise.repro.kit.minilm import MiniLMReproduction
+from rankwise.repro.skeleton import Records, Settings, pyplot, save_figure, setting
 from rankwise.train.finetune import Batch
 from rankwise.repro.kit.cached_encoder import (
     CachedSplit,
@@ -420,24 +421,16 @@ def lr_sweep(grid: Sequence[float] = (3e-4, 1e-3, 3e-3, 1e-2), seed: int = 100, 
     return out
 
 
-class CdkaReproduction(Reproduction[CdkaSettings, dict]):
+class CdkaReproduction(MiniLMReproduction):
     id = ID
     claim = CLAIM
     settings = SETTINGS
+    columns = COLUMNS
+    column_notes = COLUMN_NOTES
 
     def measure(self, settings: CdkaSettings, seed: int) -> dict[str, Any]:
-        if not hasattr(self, "_bert"):  # one load shared by every seed
-            from rankwise import zoo
-
-            self._bert, self._tok = zoo.minilm()
-        return _measure(seed, settings, self._bert, self._tok)
-
-    def table(self, settings: CdkaSettings, records: Records[dict]) -> Table:
-        table = Table(columns=list(COLUMNS), notes=dict(COLUMN_NOTES))
-        for r in records:
-            table.extend(r["table"])
-        self._table = table
-        return table
+        bert, tok = self.minilm()  # one load shared by every seed
+        return _measure(seed, settings, bert, tok)
 
     def preconditions(self, settings: CdkaSettings, records: Records[dict]) -> list[Precondition]:
         acc = {r: self._table.mean(r, "test accuracy") for r in COMPARED}

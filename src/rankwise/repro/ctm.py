@@ -63,7 +63,8 @@ from rankwise.merge import baselines
 from rankwise.merge.ctm import CtMConfig
 from rankwise.merge.ctm import merge as ctm_merge
 from rankwise.repro.result import ClaimCheck, Precondition, Table
-from rankwise.repro.skeleton import Records, Reproduction, Settings, pyplot, save_figure, setting
+from rankwise.repro.kit.minilm import MiniLMReproduction
+from rankwise.repro.skeleton import Records, Settings, pyplot, save_figure, setting
 
 ID = "ctm"
 CLAIM = ("Compressing T task LoRAs into shared rank-r subspaces before merging (CtM) gives one rank-r LoRA with "
@@ -459,10 +460,12 @@ def _measure(seed: int, S: CtmSettings, bert: nn.Module, tok: Any, base_memo: di
     return {"table": table, "info": info, "weighted": weighted}
 
 
-class CtmReproduction(Reproduction[CtmSettings, dict]):
+class CtmReproduction(MiniLMReproduction):
     id = ID
     claim = CLAIM
     settings = SETTINGS
+    columns = COLUMNS
+    column_notes = COLUMN_NOTES
 
     def running(self) -> Any:
         from rankwise.repro.kit.task_loras import shared_encodings
@@ -470,19 +473,10 @@ class CtmReproduction(Reproduction[CtmSettings, dict]):
         return shared_encodings()  # each text list runs through the frozen prefix once per process
 
     def measure(self, settings: CtmSettings, seed: int) -> dict[str, Any]:
-        if not hasattr(self, "_bert"):  # one load and one memo of the base embeddings shared by every seed
-            from rankwise import zoo
-
-            self._bert, self._tok = zoo.minilm()
+        if not hasattr(self, "_base_memo"):  # one memo of the base embeddings shared by every seed
             self._base_memo: dict[Any, torch.Tensor] = {}
-        return _measure(seed, settings, self._bert, self._tok, self._base_memo)
-
-    def table(self, settings: CtmSettings, records: Records[dict]) -> Table:
-        table = Table(columns=list(COLUMNS), notes=dict(COLUMN_NOTES))
-        for r in records:
-            table.extend(r["table"])
-        self._table = table
-        return table
+        bert, tok = self.minilm()  # one load shared by every seed
+        return _measure(seed, settings, bert, tok, self._base_memo)
 
     def _gaps(self, records: Records[dict]) -> dict[int, float]:
         ctm = self._table.values("CtM-TIES", "normalized acc")

@@ -68,7 +68,8 @@ from rankwise.repro.kit.cached_encoder import (
     trainable_adapter_params,
 )
 from rankwise.repro.result import ClaimCheck, Precondition, Table
-from rankwise.repro.skeleton import Records, Reproduction, Settings, pyplot, save_figure, setting
+from rankwise.repro.kit.minilm import MiniLMReproduction
+from rankwise.repro.skeleton import Records, Settings, pyplot, save_figure, setting
 from rankwise.train.finetune import Batch, FinetuneConfig, Trainer, lockstep
 
 ID = "daf"
@@ -370,23 +371,19 @@ def lr_sweep(grid: Sequence[float] = (1e-3, 3e-3, 1e-2), seed: int = 100, mode: 
     return out
 
 
-class DafReproduction(Reproduction[DafSettings, dict]):
+class DafReproduction(MiniLMReproduction):
     id = ID
     claim = CLAIM
     settings = SETTINGS
+    columns = COLUMNS
+    column_notes = COLUMN_NOTES
 
     def measure(self, settings: DafSettings, seed: int) -> dict[str, Any]:
-        if not hasattr(self, "_bert"):  # one load shared by every seed
-            from rankwise import zoo
-
-            self._bert, self._tok = zoo.minilm()
-        return _measure(seed, settings, self._bert, self._tok)
+        bert, tok = self.minilm()  # one load shared by every seed
+        return _measure(seed, settings, bert, tok)
 
     def table(self, settings: DafSettings, records: Records[dict]) -> Table:
-        table = Table(columns=list(COLUMNS), notes=dict(COLUMN_NOTES))
-        for r in records:
-            table.extend(r["table"])
-        self._table = table
+        table = super().table(settings, records)
         self._acc = {r: table.mean(r, "test accuracy") for r in table.rows}
         return table
 

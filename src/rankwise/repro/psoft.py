@@ -76,7 +76,8 @@ from rankwise.repro.kit.cached_encoder import (
     train_lockstep,
 )
 from rankwise.repro.result import ClaimCheck, Precondition, Table
-from rankwise.repro.skeleton import Records, Reproduction, Settings, pyplot, save_figure, setting
+from rankwise.repro.kit.minilm import MiniLMReproduction
+from rankwise.repro.skeleton import Records, Settings, pyplot, save_figure, setting
 
 ID = "psoft"
 CLAIM = ("Confining an orthogonal transform (with two relaxation vectors) to the principal subspace of each weight "
@@ -381,25 +382,18 @@ def lr_sweep(grid: Sequence[float] = (3e-4, 1e-3, 3e-3, 1e-2), seed: int = 100, 
     return out
 
 
-class PsoftReproduction(Reproduction[PsoftSettings, dict]):
+class PsoftReproduction(MiniLMReproduction):
     id = ID
     claim = CLAIM
     settings = SETTINGS
+    columns = COLUMNS
+    column_notes = COLUMN_NOTES
 
     def measure(self, settings: PsoftSettings, seed: int) -> dict[str, Any]:
-        if not hasattr(self, "_bert"):  # one load and one probe set shared by every seed
-            from rankwise import zoo
-
-            self._bert, self._tok = zoo.minilm()
+        if not hasattr(self, "_probes"):  # one probe set shared by every seed
             self._probes = probe_sentences(settings.n_probe)
-        return _measure(seed, settings, self._bert, self._tok, self._probes)
-
-    def table(self, settings: PsoftSettings, records: Records[dict]) -> Table:
-        table = Table(columns=list(COLUMNS), notes=dict(COLUMN_NOTES))
-        for r in records:
-            table.extend(r["table"])
-        self._table = table
-        return table
+        bert, tok = self.minilm()  # one load shared by every seed
+        return _measure(seed, settings, bert, tok, self._probes)
 
     def preconditions(self, settings: PsoftSettings, records: Records[dict]) -> list[Precondition]:
         acc = {r: self._table.mean(r, "test accuracy") for r in ("PSOFT (rankwise)", "LoRA (PEFT)", "OFT (PEFT)")}
