@@ -39,7 +39,6 @@ accuracy above 0.99) and the compared baseline FedAvg-LoRA(k_min) learned (its f
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
@@ -47,7 +46,7 @@ import logging
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -304,19 +303,11 @@ class FSLoRAReproduction(Reproduction[FSLoRASettings, dict]):
     claim = CLAIM
     settings = SETTINGS
 
-    @contextlib.contextmanager
-    def running(self) -> Iterator[None]:
-        """At most two torch threads (the run's own choice) and Flower's logger quiet; both restored."""
-        from rankwise.federated.common import quiet_flwr
+    def running(self) -> Any:
+        """At most two torch threads and Flower's logger quiet while measuring; both restored."""
+        from rankwise.repro.kit.flower import flower_run
 
-        before = torch.get_num_threads()
-        torch.set_num_threads(max(1, min(2, before)))
-        restore_flwr_log = quiet_flwr()
-        try:
-            yield
-        finally:
-            restore_flwr_log()
-            torch.set_num_threads(before)
+        return flower_run()
 
     def measure(self, S: FSLoRASettings, seed: int) -> dict[str, Any]:
         first = not hasattr(self, "_first_done")  # measure runs in seed order: the first call is the first seed

@@ -32,12 +32,11 @@ without which the tier-gap claim compares noise.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import time
 from pathlib import Path
-from typing import Any, Iterator, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -234,19 +233,11 @@ class UBSMoEReproduction(Reproduction[UBSMoESettings, dict]):
     claim = CLAIM
     settings = SETTINGS
 
-    @contextlib.contextmanager
-    def running(self) -> Iterator[None]:
-        """At most two torch threads (the run's own choice) and Flower's logger quiet; both restored."""
-        from rankwise.federated.common import quiet_flwr
+    def running(self) -> Any:
+        """At most two torch threads and Flower's logger quiet while measuring; both restored."""
+        from rankwise.repro.kit.flower import flower_run
 
-        before = torch.get_num_threads()
-        torch.set_num_threads(max(1, min(2, before)))
-        restore_flwr_log = quiet_flwr()
-        try:
-            yield
-        finally:
-            restore_flwr_log()
-            torch.set_num_threads(before)
+        return flower_run()
 
     def measure(self, S: UBSMoESettings, seed: int) -> dict[str, Any]:
         task = _task(S, seed)
