@@ -185,8 +185,8 @@ def pretrained_vit(size: str = "small", num_labels: int | None = None, seed: int
                    progress: bool | None = None) -> Any:
     """The tiny ViT pretrained on ``digits0to4`` (``ViTForImageClassification``, eval mode, 16 x 16 grey input).
 
-    ``num_labels`` None (or 5) keeps the pretrained 5-class head; another count gets a fresh head
-    (weights N(0, 0.02^2) from ``seed``, bias 0), as a downstream task needs. The first call builds and
+    ``num_labels`` None keeps the pretrained 5-class head (digits 0-4); an int gets a fresh head of that
+    many classes (weights N(0, 0.02^2) from ``seed``, bias 0), as a downstream task needs. The first call builds and
     caches the model (about 100 s of CPU time for ``"small"``; ``rankwise zoo build`` does it ahead), later calls
     load it in well under a second. Each call returns a fresh copy.
     """
@@ -199,7 +199,7 @@ def pretrained_vit(size: str = "small", num_labels: int | None = None, seed: int
     except (OSError, ValueError) as exc:
         raise ArtifactError(f"cannot load the cached tiny ViT at {record['path']} ({exc}); rebuild it with "
                             "`rankwise zoo build --force`") from exc
-    if num_labels is not None and num_labels != model.config.num_labels:
+    if num_labels is not None:
         if isinstance(num_labels, bool) or not isinstance(num_labels, int) or num_labels < 1:
             raise ValueError(f"num_labels={num_labels!r} must be a positive int")
         head = torch.nn.Linear(model.config.hidden_size, num_labels)
