@@ -306,7 +306,8 @@ class VAPTReproduction(Reproduction[VAPTSettings, dict]):
             ClaimCheck("(c) VAPT beats the linear probe: mean accuracy VAPT - probe", diff("VAPT", "linear probe"),
                        ">", 0.0, samples=self._paired(settings, records, "vapt", "probe")),
             ClaimCheck("(d) VPT-deep beats the linear probe: mean accuracy VPT-deep - probe",
-                       diff("VPT-deep", "linear probe"), ">", 0.0, samples=self._paired(settings, records, "vpt", "probe")),
+                       diff("VPT-deep", "linear probe"), ">", 0.0,
+                       samples=self._paired(settings, records, "vpt", "probe")),
             ClaimCheck("(e) generated prompts at initialisation: max |P|", max(w["zero_init"] for w in wiring), "<=",
                        TOL_ZERO, kind="wiring"),
             ClaimCheck("(f) layers whose input is not 1 + N_p + N tokens", sum(w["bad_lengths"] for w in wiring), "<=",
@@ -359,7 +360,8 @@ class VAPTReproduction(Reproduction[VAPTSettings, dict]):
         t = self._t
         return (f"Frozen tiny ViT pretrained on digits 0-4; {settings.shots} shots per class; {settings.epochs} epochs "
                 f"of batch {settings.batch_size} at lr {settings.lr:g} for every row (no per-row tuning). "
-                f"VAPT - VPT-deep = {100 * (t.mean('VAPT', 'mean accuracy') - t.mean('VPT-deep', 'mean accuracy')):+.1f} "
+                f"VAPT - VPT-deep = "
+                f"{100 * (t.mean('VAPT', 'mean accuracy') - t.mean('VPT-deep', 'mean accuracy')):+.1f} "
                 f"points; VAPT - full fine-tuning = "
                 f"{100 * (t.mean('VAPT', 'mean accuracy') - t.mean('full fine-tuning', 'mean accuracy')):+.1f} points "
                 "(the paper's win over full fine-tuning is not expected at this scale and is not checked).")

@@ -86,7 +86,8 @@ class ImageEval:
 def validate_image_job(job: FinetuneJob) -> None:
     """Every option (and ``job.out``'s writability) before any data or model is read."""
     if job.method not in IMAGE_METHODS:
-        raise ValueError(f"--method {job.method!r} does not learn image tasks; choose one of {', '.join(IMAGE_METHODS)}")
+        raise ValueError(f"--method {job.method!r} does not learn image tasks; choose one of "
+                         f"{', '.join(IMAGE_METHODS)}")
     if job.optimizer != "adamw":
         raise ValueError(f"--optimizer {job.optimizer} is for text LoRA runs; image tasks train with adamw")
     if "method" in job.options:

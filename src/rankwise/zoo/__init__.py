@@ -187,8 +187,8 @@ def build(force: bool = False, sizes: Sequence[str] = ("small",), progress: bool
 
     Builds the tiny LM and the pretrained tiny ViT of each size in ``sizes`` (``force`` retrains even if
     cached) and checks the other defaults (the corpus, the packaged MiniLM). Returns ``{"tiny_lm": {size:
-    record}, "tiny_vit": {size: record}, "corpus": {...}, "minilm": {...}, "time_s": ...}`` where a record holds the path and the metrics
-    (validation and unigram perplexity, build time). ``progress`` shows a progress bar on a TTY.
+    record}, "tiny_vit": {size: record}, "corpus": {...}, "minilm": {...}, "time_s": ...}`` where a record holds
+    the path and the metrics (validation and unigram perplexity, source accuracy, build time). ``progress`` shows a progress bar on a TTY.
     ``size`` is shorthand for ``sizes=(size,)`` (what ``rankwise zoo build --size`` passes).
     """
     if size is not None:

@@ -180,7 +180,7 @@ def count_parameters(model: nn.Module) -> int:
 
 
 def expected_parameters(model: nn.Module, config: VAPTConfig) -> int:
-    """The spec's formula for ``config`` on ``model``'s backbone (see :func:`~rankwise.adapt.vapt.config.num_parameters`)."""
+    """The spec's formula for ``config`` on ``model``'s backbone (:func:`~rankwise.adapt.vapt.config.num_parameters`)."""
     bb = find_backbone(model)
     return num_parameters(config, bb.hidden, bb.num_layers, bb.grid)
 
