@@ -135,3 +135,15 @@ def test_reload_refuses_another_backbone(tmp_path):
     (out / "finetune.json").write_text(json.dumps(meta))
     with pytest.raises(ArtifactError, match="different base model"):
         load_finetuned(out)
+
+
+def test_verb_helpers_import_no_torch_and_agree_with_the_job():
+    import subprocess
+    import sys
+
+    from rankwise.train import image_job
+
+    assert finetune_image.PROMPT_METHODS == image_job.PROMPT_METHODS
+    code = "import sys, rankwise.verbs.finetune_image; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"

@@ -18,19 +18,17 @@ The job is :mod:`rankwise.train.image_job`; this module resolves what the job do
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
-import torch
-from torch import nn
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
 
-from rankwise.train.image_job import (
-    PROMPT_METHODS,
-    ImageData,
-    load_image_finetuned,
-    run_image_finetune,
-    validate_image_job,
-)
-from rankwise.train.job import FinetuneJob, FinetuneJobResult, class_labels
+    from rankwise.train.image_job import ImageData
+    from rankwise.train.job import FinetuneJob, FinetuneJobResult
+
+# torch and the job are imported on first use (the CLI imports every verbs module at start)
+PROMPT_METHODS = ("vapt", "vpt-deep", "vpt-shallow")  # rankwise.train.image_job.PROMPT_METHODS
 
 __all__ = ["DEFAULT_IMAGE_TASK", "build_vit", "is_image_job", "load_image_data", "load_npz", "run_image"]
 
@@ -56,6 +54,7 @@ def is_image_job(job: FinetuneJob) -> bool:
 def load_npz(path: Path) -> tuple[torch.Tensor, list[Any]]:
     """``(images (N, C, H, W) float32, labels)`` from an ``.npz`` file; ValueError naming the file otherwise."""
     import numpy as np
+    import torch
 
     path = Path(path)
     if not path.is_file():
@@ -92,12 +91,19 @@ def load_npz(path: Path) -> tuple[torch.Tensor, list[Any]]:
 
 
 def _indexed(*sets: tuple[torch.Tensor, list[Any]]) -> tuple[list[str], list[torch.Tensor]]:
+    import torch
+
+    from rankwise.train.job import class_labels
+
     labels, indexed = class_labels(*[[(None, lab) for lab in s[1]] for s in sets])
     return labels, [torch.tensor([i for _, i in s], dtype=torch.long) for s in indexed]
 
 
 def load_image_data(job: FinetuneJob, image_size: int) -> ImageData:
     """The job's images: a zoo digits task at ``image_size`` or ``.npz`` files (see the module docstring)."""
+    import torch
+
+    from rankwise.train.image_job import ImageData
     if (job.task is None) == (job.data is None):
         raise ValueError("give exactly one of --task NAME or --data FILE.npz")
     if job.task is not None:
@@ -125,6 +131,8 @@ def load_image_data(job: FinetuneJob, image_size: int) -> ImageData:
 
 
 def _fresh_head(model: nn.Module, num_labels: int, seed: int) -> None:
+    import torch
+    from torch import nn
     head = nn.Linear(model.config.hidden_size, num_labels)
     with torch.no_grad():
         head.weight.copy_(torch.randn(head.weight.shape, generator=torch.Generator().manual_seed(seed)) * 0.02)
@@ -142,6 +150,7 @@ def build_vit(source: Optional[str], num_labels: int, seed: int) -> nn.Module:
     model_dir = Path(source)
     if not (model_dir / "config.json").is_file():
         raise ValueError(f"--model {model_dir}: no config.json (expected a save_pretrained layout)")
+    from torch import nn
     from transformers import AutoModelForImageClassification
 
     from rankwise.zoo.models import quiet_transformers
@@ -170,6 +179,8 @@ def _image_size(job: FinetuneJob) -> int:
 
 def run_image(job: FinetuneJob, progress: bool = False, log: Callable[[str], None] | None = None) -> FinetuneJobResult:
     """:func:`rankwise.train.image_job.run_image_finetune` with the data and model resolved as the verb does."""
+    from rankwise.train.image_job import run_image_finetune, validate_image_job
+
     validate_image_job(job)
     if job.model is not None and not Path(job.model).is_dir():
         raise FileNotFoundError(f"--model {job.model}: no such directory (expected a save_pretrained layout)")
@@ -180,5 +191,7 @@ def run_image(job: FinetuneJob, progress: bool = False, log: Callable[[str], Non
 
 def load_finetuned_image(directory: str | Path) -> tuple[nn.Module, dict[str, Any]]:
     """:func:`rankwise.train.image_job.load_image_finetuned` with this verb's model builder."""
+    from rankwise.train.image_job import load_image_finetuned
+
     return load_image_finetuned(directory, build_vit)
 
