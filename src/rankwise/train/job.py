@@ -54,7 +54,7 @@ from rankwise.core.adapters import AdapterMethod
 from rankwise.core.errors import ArtifactError, UnknownMethodError
 
 __all__ = ["FinetuneData", "FinetuneJob", "FinetuneJobResult", "MAX_CLASSES", "ModelBuilder", "OPTIMIZERS",
-           "adapter_method", "check_writable", "class_labels", "finetune_methods", "load_finetuned",
+           "adapter_method", "check_fields", "check_writable", "class_labels", "finetune_methods", "load_finetuned",
            "method_config", "run_finetune", "validate_job"]
 
 OPTIMIZERS = ("adamw", "adams", "lracs")
@@ -231,8 +231,14 @@ def validate_job(job: FinetuneJob) -> AdapterMethod:
         pairs = [m for m in finetune_methods() if registry.get(m).extras["adapter"].factor_pairs]
         raise ValueError(f"--optimizer {job.optimizer} acts on LoRA factor pairs; use it with --method "
                          f"{' / '.join(pairs)} (got --method {job.method})")
+    check_fields(job)
+    return am
+
+
+def check_fields(job: FinetuneJob) -> None:
+    """The checks every job shares (text or image): data options, sizes, rates, ``--out``'s writability."""
     if job.task is not None and job.data is not None:
-        raise ValueError("give exactly one of --task NAME or --data FILE.jsonl")
+        raise ValueError("give exactly one of --task NAME or --data FILE")
     if job.eval_data is not None and job.data is None:
         raise ValueError("--eval needs --data")
     for name in ("steps", "batch_size", "eval_every", "limit_train", "limit_eval", "rank"):
@@ -252,7 +258,6 @@ def validate_job(job: FinetuneJob) -> AdapterMethod:
         if out.is_dir() and any(out.iterdir()) and not job.overwrite:
             raise FileExistsError(f"--out {out} exists and is not empty; pass --overwrite to replace it")
         check_writable(out)
-    return am
 
 
 # --------------------------------------------------------------------------------------------------

@@ -2,6 +2,11 @@
 
     rankwise finetune --method lora|cdka|psoft|e2lora|daf|mtlora|lora_mixer [--optimizer adamw|adams|lracs]
                       [--task NAME | --model DIR --data FILE.jsonl [--eval FILE.jsonl]] [--out DIR]
+    rankwise finetune --method vapt|vpt-deep|vpt-shallow|lora [--task rot90 | --model VIT_DIR --data FILE.npz
+                      [--eval FILE.npz]] [--out DIR]
+
+Image tasks (a prompt method, a zoo digits task, or ``.npz`` data) go to :mod:`rankwise.verbs.finetune_image`
+and :mod:`rankwise.train.image_job`: the same evaluation, saving and reload check on a ViT.
 
 The job itself is :mod:`rankwise.train.job` (it resolves the method through the registry; see there for
 what is trained, saved and verified). This verb resolves what the job does not know about: the data
@@ -137,7 +142,10 @@ def run_finetune(job: FinetuneJob, progress: bool = False,
                  log: Callable[[str], None] | None = None) -> FinetuneJobResult:
     """:func:`rankwise.train.job.run_finetune` with the data and model resolved as ``rankwise finetune`` does."""
     from rankwise.train import job as _job
+    from rankwise.verbs import finetune_image
 
+    if finetune_image.is_image_job(job):
+        return finetune_image.run_image(job, progress=progress, log=log)
     _job.validate_job(job)  # every option (and --out's writability) before the data or the model is read
     if job.model is not None and not Path(job.model).is_dir():
         raise FileNotFoundError(f"--model {job.model}: no such directory (expected a save_pretrained layout)")
@@ -145,9 +153,19 @@ def run_finetune(job: FinetuneJob, progress: bool = False,
 
 
 def load_finetuned(directory: str | Path) -> tuple[nn.Module, Any, dict[str, Any]]:
-    """:func:`rankwise.train.job.load_finetuned` with this verb's model builder (embedded MiniLM or a directory)."""
+    """:func:`rankwise.train.job.load_finetuned` with this verb's model builder (embedded MiniLM or a directory);
+    an image run gives ``(model, None, metadata)``."""
     from rankwise.train import job as _job
 
+    meta_path = Path(directory) / "finetune.json"
+    if meta_path.is_file():
+        from rankwise.core import io
+
+        if io.read_json(meta_path).get("modality") == "image":
+            from rankwise.verbs.finetune_image import load_finetuned_image
+
+            model, meta = load_finetuned_image(directory)
+            return model, None, meta
     return _job.load_finetuned(directory, build_model)
 
 
@@ -172,13 +190,17 @@ def register(app: typer.Typer) -> None:
     def finetune_cmd(
         ctx: typer.Context,
         method: str = typer.Option("lora", "--method", help="Adapter method id: lora, cdka, psoft, e2lora, daf, "
-                                   "mtlora, lora_mixer (any registered adapter; `rankwise list`)."),
+                                   "mtlora, lora_mixer (any registered adapter; `rankwise list`); for images: "
+                                   "vapt, vpt-deep, vpt-shallow, lora."),
         optimizer: str = typer.Option("adamw", "--optimizer", help="adamw, or adams / lracs (LoRA-S; --method lora)."),
-        task: Optional[str] = typer.Option(None, "--task", help="A zoo text task (default 'topic' when no --data)."),
+        task: Optional[str] = typer.Option(None, "--task", help="A zoo text task (default 'topic' when no --data), "
+                                           "or a zoo digits task (rot90, digits5to9, inverted, ...; default 'rot90' "
+                                           "for vapt / vpt-*)."),
         model: Optional[Path] = typer.Option(None, "--model", help="A save_pretrained model directory "
                                              "(default: the embedded all-MiniLM-L6-v2)."),
-        data: Optional[Path] = typer.Option(None, "--data", help="Training data, JSONL {\"text\", \"label\"}."),
-        eval_data: Optional[Path] = typer.Option(None, "--eval", help="Held-out JSONL (default: 20 % of --data)."),
+        data: Optional[Path] = typer.Option(None, "--data", help="Training data, JSONL {\"text\", \"label\"}, or "
+                                            "an .npz of 'images' and 'labels'."),
+        eval_data: Optional[Path] = typer.Option(None, "--eval", help="Held-out JSONL / .npz (default: 20 % of --data)."),
         out: Optional[Path] = typer.Option(None, "--out", help="Save adapter, head and metadata here."),
         overwrite: bool = typer.Option(False, "--overwrite", help="Replace a non-empty --out directory."),
         rank: Optional[int] = typer.Option(None, "--rank", help="The method config's rank field."),
@@ -195,12 +217,14 @@ def register(app: typer.Typer) -> None:
         limit_eval: Optional[int] = typer.Option(None, "--limit-eval", help="Use at most N held-out examples."),
         seed: int = typer.Option(0, "--seed"),
     ) -> None:
-        """Fine-tune an adapter for text classification; evaluate periodically; save and verify the reload."""
+        """Fine-tune an adapter for text or image classification; evaluate periodically; save and verify the reload."""
         from rankwise.train.job import FinetuneJob
         from rankwise.verbs import common
 
         if task is None and data is None:
-            task = "topic"
+            from rankwise.verbs.finetune_image import PROMPT_METHODS
+
+            task = "rot90" if method in PROMPT_METHODS else "topic"
         job = FinetuneJob(method=method, optimizer=optimizer, task=task, model=model, data=data,
                           eval_data=eval_data, out=out, overwrite=overwrite, rank=rank,
                           options=_parse_options(option or []), lr=lr, head_lr=head_lr, steps=steps,

