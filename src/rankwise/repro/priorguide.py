@@ -74,6 +74,7 @@ class PriorGuideSettings(Settings):
     sbi: bool = setting(True, "run sbi's rows (skipped when sbi is not installed)")
     sbi_K: int = setting(1, "GMM components of sbi's ratio fit", lo=1)
     sbi_fit_steps: int = setting(2000, "Adam steps of sbi's ratio fit (its default is 10000)", lo=1)
+    c2st_trees: int = setting(100, "trees of the C2ST random forest (sbi's default: 100)", lo=1)
     recipe: str = setting("cached", "score models: the cached zoo recipe, or smoke's tiny in-memory one",
                           choices=("cached", "smoke"))
 
@@ -86,8 +87,9 @@ class PriorGuideSettings(Settings):
 
 
 SETTINGS = {
-    "smoke": PriorGuideSettings(n_obs=1, n_samples=60, steps=8, jacobian_row=False, sbi=False, recipe="smoke"),
-    "quick": PriorGuideSettings(seeds=(0,)),
+    "smoke": PriorGuideSettings(n_obs=1, n_samples=60, steps=8, jacobian_row=False, sbi=False, c2st_trees=10,
+                                recipe="smoke"),
+    "quick": PriorGuideSettings(seeds=(0,), c2st_trees=25),
     "full": PriorGuideSettings(tasks=("gaussian_linear", "two_moons"), n_obs=10, n_samples=1000),
 }
 
@@ -109,12 +111,12 @@ def reference(task: str, x_o: torch.Tensor, q: pg.GaussianMixture, n: int, seed:
     return pg.two_moons_reference(x_o, q, n, seed=seed)
 
 
-def _c2st(a: torch.Tensor, b: torch.Tensor, seed: int, use_sbi: bool) -> float:
+def _c2st(a: torch.Tensor, b: torch.Tensor, seed: int, use_sbi: bool, trees: int) -> float:
     if use_sbi:
         from sbi.utils.metrics import c2st
 
-        return float(c2st(a.float(), b.float(), seed=seed))
-    return pg.c2st(a, b, seed=seed)
+        return float(c2st(a.float(), b.float(), seed=seed, classifier_kwargs={"n_estimators": trees}))
+    return pg.c2st(a, b, seed=seed, trees=trees)
 
 
 class PriorGuideReproduction(Reproduction[PriorGuideSettings, dict]):
@@ -159,7 +161,7 @@ class PriorGuideReproduction(Reproduction[PriorGuideSettings, dict]):
         res: dict[str, Any] = {"c2st": {}, "rmse": {}, "time": {}, "floor": [], "learned": [], "samples": {}}
 
         def record(row: str, samples: torch.Tensor, secs: float, ref: torch.Tensor, i: int) -> None:
-            res["c2st"].setdefault(row, []).append(_c2st(samples, ref, seed, use_sbi))
+            res["c2st"].setdefault(row, []).append(_c2st(samples, ref, seed, use_sbi, s.c2st_trees))
             res["rmse"].setdefault(row, []).append(pg.mean_rmse(samples, ref))
             res["time"].setdefault(row, []).append(secs * 1000.0 / s.n_samples)
             if i == 0:
@@ -170,14 +172,14 @@ class PriorGuideReproduction(Reproduction[PriorGuideSettings, dict]):
             sseed = 100 * seed + i
             ref = reference(task, xo, q, s.n_samples, seed=7 + sseed)
             ref2 = reference(task, xo, q, s.n_samples, seed=9_000 + sseed)
-            res["floor"].append(_c2st(ref, ref2, seed, use_sbi))
+            res["floor"].append(_c2st(ref, ref2, seed, use_sbi, s.c2st_trees))
             if i == 0:
                 res["samples"]["reference"] = ref[:300].tolist()
             plain = pg.sample(ours, xo, s.n_samples, steps=s.steps, seed=sseed)
             record("unadapted", plain.samples, plain.time_s, ref, i)
             if task == "gaussian_linear":  # the trained model against its own (training-prior) posterior
                 tref = pg.gaussian_linear_box_reference(xo, box, s.n_samples, generator=gen).float()
-                res["learned"].append(_c2st(plain.samples, tref, seed, use_sbi))
+                res["learned"].append(_c2st(plain.samples, tref, seed, use_sbi, s.c2st_trees))
             for row, guide in guides.items():
                 r = pg.sample(ours, xo, s.n_samples, steps=s.steps, seed=sseed, guidance=guide)
                 record(row, r.samples, r.time_s, ref, i)
@@ -290,7 +292,7 @@ class PriorGuideReproduction(Reproduction[PriorGuideSettings, dict]):
                  f"{s.steps} Euler-Maruyama steps on a geometric noise grid for every sampler (sbi's too)."]
         if not (s.sbi and sbi_peer.sbi_available()):
             parts.append("sbi rows skipped: " + ("sbi is not installed." if s.sbi else "sbi=false."))
-            parts.append("C2ST: rankwise's random-forest C2ST (the classifier sbi uses by default).")
+            parts.append(f"C2ST: rankwise's random-forest C2ST ({s.c2st_trees} trees; the classifier sbi uses by default).")
         else:
             cmp = [r["gaussian_linear"].get("vs_sbi") for r in records]
             cmp = [c for c in cmp if c]
@@ -305,7 +307,7 @@ class PriorGuideReproduction(Reproduction[PriorGuideSettings, dict]):
                              f"{c['sbi_far_norm']:.3g}; ours sum to 1 and pull back with norm {c['ours_far_norm']:.3g}. "
                              f"sbi also divides its score by sigma^2 + 1e-6 (a factor {c['nugget_factor_at_far']:.2g} "
                              f"on the whole score at that sigma).")
-            parts.append("C2ST: sbi.utils.metrics.c2st (random forest, 5 folds).")
+            parts.append(f"C2ST: sbi.utils.metrics.c2st (random forest of {s.c2st_trees} trees, 5 folds).")
         parts.append("The J = I guidance over-estimates the Tweedie-mean Jacobian at large noise when the likelihood is "
                      "much sharper than the prior (here noise 0.1 vs prior 0.3): the Jacobian row and the Langevin row "
                      "show how much of the gap that explains.")

@@ -120,9 +120,9 @@ def two_moons_reference(x_obs: Tensor, prior: object, n: int, *, seed: int = 0, 
     return torch.cat(out)[:n].to(torch.float32)
 
 
-def c2st(a: Tensor, b: Tensor, *, seed: int = 0, folds: int = 5) -> float:
+def c2st(a: Tensor, b: Tensor, *, seed: int = 0, folds: int = 5, trees: int = 100) -> float:
     """Classifier two-sample test accuracy between samples ``a`` [N, D] and ``b`` [M, D]: a scikit-learn
-    random forest (100 trees, the classifier ``sbi.utils.metrics.c2st`` uses by default) on z-scored pooled
+    random forest (``trees`` trees, the classifier ``sbi.utils.metrics.c2st`` uses by default) on z-scored pooled
     data, ``folds``-fold stratified CV; 0.5 is chance (same distribution), 1.0 fully separable."""
     from sklearn.ensemble import RandomForestClassifier
     from sklearn.model_selection import StratifiedKFold, cross_val_score
@@ -134,7 +134,7 @@ def c2st(a: Tensor, b: Tensor, *, seed: int = 0, folds: int = 5) -> float:
     data = np.concatenate([xa, xb])
     data = (data - data.mean(0)) / data.std(0).clip(1e-12)
     y = np.concatenate([np.zeros(len(xa)), np.ones(len(xb))])
-    clf = RandomForestClassifier(n_estimators=100, random_state=seed)
+    clf = RandomForestClassifier(n_estimators=trees, random_state=seed)
     cv = StratifiedKFold(n_splits=folds, shuffle=True, random_state=seed)
     return float(np.mean(cross_val_score(clf, data, y, cv=cv, scoring="accuracy")))
 
