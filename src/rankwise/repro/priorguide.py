@@ -179,16 +179,16 @@ class PriorGuideReproduction(Reproduction[PriorGuideSettings, dict]):
             if i == 0:
                 res["samples"]["reference"] = ref[:300].tolist()
             plain = pg.sample(ours, xo, s.n_samples, steps=s.steps, seed=sseed)
-            record("unadapted", plain.samples, plain.time_s, ref, i)
+            record("unadapted", plain.samples, plain.cpu_s, ref, i)
             if task == "gaussian_linear":  # the trained model against its own (training-prior) posterior
                 tref = pg.gaussian_linear_box_reference(xo, box, s.n_samples, generator=gen).float()
                 res["learned"].append(_c2st(plain.samples, tref, seed, use_sbi, s.c2st_trees))
             for row, guide in guides.items():
                 r = pg.sample(ours, xo, s.n_samples, steps=s.steps, seed=sseed, guidance=guide)
-                record(row, r.samples, r.time_s, ref, i)
-            t0 = time.perf_counter()
+                record(row, r.samples, r.cpu_s, ref, i)
+            c0 = time.process_time()
             sir = pg.importance_resample(plain.samples, q, box, s.n_samples, seed=sseed)
-            record("SIR", sir.samples, plain.time_s + time.perf_counter() - t0, ref, i)
+            record("SIR", sir.samples, plain.cpu_s + time.process_time() - c0, ref, i)
             if post is not None:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
@@ -201,7 +201,7 @@ class PriorGuideReproduction(Reproduction[PriorGuideSettings, dict]):
                                                 train_prior=tbox, K=s.sbi_K, fit_steps=s.sbi_fit_steps)
                     record("sbi PriorGuide", b, tb, ref, i)
                 c = pg.sample(adapter, xo, s.n_samples, steps=s.steps, seed=sseed, guidance=guides["PriorGuide"])
-                record("PriorGuide (ours) on sbi", c.samples, c.time_s, ref, i)
+                record("PriorGuide (ours) on sbi", c.samples, c.cpu_s, ref, i)
         if post is not None:
             res["vs_sbi"] = _compare_with_sbi(est, box, q, tbox, tq, x_o[0], s)
         return res
@@ -210,7 +210,7 @@ class PriorGuideReproduction(Reproduction[PriorGuideSettings, dict]):
         t = Table(columns=["c2st", "rmse", "s_per_1000"],
                   notes={"c2st": "C2ST accuracy vs the true new posterior (0.5 = indistinguishable), lower is better",
                          "rmse": "posterior-mean RMSE vs the true new posterior, lower is better",
-                         "s_per_1000": "seconds per 1000 posterior samples (one thread)"})
+                         "s_per_1000": "CPU seconds per 1000 posterior samples (one thread; process time, robust to a shared machine)"})
         for task in s.tasks:
             tag = "" if task == "gaussian_linear" else f" [{task}]"
             for r in records:

@@ -95,14 +95,16 @@ def _mixture_pull(mu: Tensor, var0: Tensor, ratio: PriorRatio) -> tuple[Tensor, 
     n, d = mu64.shape
     eye = torch.eye(d, dtype=torch.float64)
     v0 = torch.as_tensor(var0, dtype=torch.float64).reshape(-1)
-    if v0.numel() == 1 or bool((v0 == v0[0]).all()):
-        a = mix.covs + float(v0[0]) * eye  # [K, D, D]
-        chol = torch.linalg.cholesky(a)[None]  # [1, K, D, D]
-    else:
-        a = mix.covs[None] + v0[:, None, None, None] * eye  # [N, K, D, D]
-        chol = torch.linalg.cholesky(a)
     diff = mix.means[None] - mu64[:, None]  # [N, K, D]
-    sol = torch.cholesky_solve(diff[..., None], chol)[..., 0]  # (C_k + var0)^{-1} (m_k - mu)
+    if v0.numel() == 1 or bool((v0 == v0[0]).all()):
+        # one noise level for every row: K factorisations, then one batched product for all rows
+        chol = torch.linalg.cholesky(mix.covs + float(v0[0]) * eye)  # [K, D, D]
+        a_inv = torch.cholesky_inverse(chol)
+        sol = torch.einsum("kij,nkj->nki", a_inv, diff)  # (C_k + var0)^{-1} (m_k - mu)
+        chol = chol[None]
+    else:
+        chol = torch.linalg.cholesky(mix.covs[None] + v0[:, None, None, None] * eye)  # [N, K, D, D]
+        sol = torch.cholesky_solve(diff[..., None], chol)[..., 0]
     logdet = 2.0 * torch.log(torch.diagonal(chol, dim1=-2, dim2=-1)).sum(-1)  # [1 or N, K]
     log_nu = -0.5 * ((diff * sol).sum(-1) + logdet + d * math.log(2 * math.pi))
     logits = torch.log(mix.weights)[None] + log_nu

@@ -35,13 +35,15 @@ __all__ = ["SIRResult", "SampleResult", "importance_resample", "sample"]
 class SampleResult:
     """Posterior samples and what the sampler did.
 
-    ``samples`` [n, D] (float32 on CPU); ``time_s`` wall time; ``steps`` predictor steps;
+    ``samples`` [n, D] (float32 on CPU); ``time_s`` wall time; ``cpu_s`` CPU time of this process (the
+    robust measure on a shared machine); ``steps`` predictor steps;
     ``score_evals`` score-network evaluations; ``clipped_fraction`` fraction of guidance evaluations
     whose norm was clipped; ``guidance_norm`` mean ``||g||`` per step (empty without guidance).
     """
 
     samples: Tensor
     time_s: float
+    cpu_s: float
     steps: int
     score_evals: int
     clipped_fraction: float = 0.0
@@ -98,7 +100,7 @@ def sample(model: Any, x_obs: Tensor, n: int = 1000, *, guidance: PriorGuide | N
     theta = model.init_mean + model.init_std * torch.randn(n, d, generator=gen, dtype=torch.float64)
     stats: dict[str, Any] = {"evals": 0, "clipped": 0, "guided": 0, "norm": []}
     lsteps = guidance.langevin_steps if guidance is not None else 0
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for i in range(grid.numel() - 1):
         s_hi, s_lo = grid[i], grid[i + 1]
         dv = s_hi**2 - s_lo**2
@@ -112,9 +114,9 @@ def sample(model: Any, x_obs: Tensor, n: int = 1000, *, guidance: PriorGuide | N
             theta = theta + eps * sc + torch.sqrt(2.0 * eps) * zc
     if not torch.isfinite(theta).all():
         raise FloatingPointError("sample: non-finite samples (the score model returned NaN/inf)")
-    elapsed = time.perf_counter() - t0
+    elapsed, cpu = time.perf_counter() - t0, time.process_time() - c0
     clipped = stats["clipped"] / stats["guided"] if stats["guided"] else 0.0
-    return SampleResult(theta.to(torch.float32), elapsed, grid.numel() - 1, stats["evals"], clipped, stats["norm"])
+    return SampleResult(theta.to(torch.float32), elapsed, cpu, grid.numel() - 1, stats["evals"], clipped, stats["norm"])
 
 
 @dataclass

@@ -80,7 +80,8 @@ def sbi_sample(posterior: Any, x_obs: Tensor, n: int, *, steps: int = 100, seed:
                new_prior: Any = None, train_prior: Any = None, K: int = 1, fit_steps: int = 2000) -> tuple[Tensor, float]:
     """``n`` samples from sbi's posterior at ``x_obs``: unguided, or with sbi's PriorGuide when
     ``new_prior`` is given (``guidance_params`` = train/test prior, ``K`` and the ratio-fit steps).
-    Returns ``(samples [n, D], seconds)``; no rejection outside the prior (as in our sampler)."""
+    Returns ``(samples [n, D], CPU seconds of this process)``; no rejection outside the prior (as in our
+    sampler)."""
     kw: dict[str, Any] = {}
     if new_prior is not None:
         kw = {"guidance_method": "prior_guide",
@@ -88,7 +89,7 @@ def sbi_sample(posterior: Any, x_obs: Tensor, n: int, *, steps: int = 100, seed:
                                   "test_prior": to_torch_distribution(new_prior), "K": K,
                                   "num_steps": fit_steps}}
     torch.manual_seed(seed)
-    t0 = time.perf_counter()
+    c0 = time.process_time()
     s = posterior.sample((n,), x=torch.as_tensor(x_obs, dtype=torch.float32), steps=steps,
                          show_progress_bars=False, reject_outside_prior=False, **kw)
-    return s.detach().float(), time.perf_counter() - t0
+    return s.detach().float(), time.process_time() - c0
