@@ -266,7 +266,7 @@ class PriorGuideReproduction(Reproduction[PriorGuideSettings, dict]):
             return []
         for task in s.tasks:
             smp = first[task]["samples"]
-            rows = ["reference"] + [r for r in ("unadapted", "PriorGuide", "PriorGuide + Langevin", "SIR",
+            rows = ["reference"] + [r for r in ("unadapted", "PriorGuide", "PriorGuide + Langevin", "PriorGuide (Jacobian)", "SIR",
                                                 "sbi PriorGuide") if r in smp]
             fig, ax = plt.subplots(figsize=(6, 5))
             for row in rows:
