@@ -14,6 +14,11 @@ from rankwise.science import priorguide as pg
 D = 2
 
 
+@pytest.fixture(autouse=True)
+def _seeded() -> None:
+    torch.manual_seed(0)  # every test draws the same points
+
+
 class ExactGaussianScore:
     """The exact VE score of p_train(theta | x) for x = theta + N(0, noise^2) under p_train = N(0, s^2 I)."""
 
@@ -180,9 +185,11 @@ def test_guided_sampling_moves_towards_the_new_posterior():
 
 
 def test_importance_resample_with_equal_priors_keeps_full_ess():
-    props = torch.randn(100, D)
+    props = torch.rand(100, D, generator=torch.Generator().manual_seed(0)) * 4 - 2  # inside the box
     out = pg.importance_resample(props, _box(), _box(), 50)
     assert out.samples.shape == (50, D) and abs(out.ess - 100) < 1e-6
+    outside = torch.cat([props, torch.full((1, D), 5.0)])  # a proposal outside the support gets weight 0
+    assert abs(pg.importance_resample(outside, _box(), _box(), 50).ess - 100) < 1e-6
 
 
 def test_score_diffusion_fit_save_load(tmp_path):
