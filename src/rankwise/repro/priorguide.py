@@ -187,8 +187,11 @@ class PriorGuideReproduction(Reproduction[PriorGuideSettings, dict]):
                 r = pg.sample(ours, xo, s.n_samples, steps=s.steps, seed=sseed, guidance=guide)
                 record(row, r.samples, r.cpu_s, ref, i)
             c0 = time.process_time()
-            sir = pg.importance_resample(plain.samples, q, box, s.n_samples, seed=sseed)
-            record("SIR", sir.samples, plain.cpu_s + time.process_time() - c0, ref, i)
+            try:
+                sir = pg.importance_resample(plain.samples, q, box, s.n_samples, seed=sseed)
+                record("SIR", sir.samples, plain.cpu_s + time.process_time() - c0, ref, i)
+            except ValueError:  # every unadapted sample outside the training support: SIR has nothing to weight
+                res["sir_failed"] = res.get("sir_failed", 0) + 1
             if post is not None:
                 with warnings.catch_warnings():
                     warnings.simplefilter("ignore")
@@ -318,6 +321,9 @@ class PriorGuideReproduction(Reproduction[PriorGuideSettings, dict]):
                      "+ Langevin 0.54). The J = I guidance over-estimates the Tweedie-mean Jacobian at large noise when the likelihood is "
                      "much sharper than the prior (here noise 0.1 vs prior 0.3): the Jacobian row and the Langevin row "
                      "show how much of the gap that explains.")
+        failed = sum(r[t].get("sir_failed", 0) for r in records for t in s.tasks)
+        if failed:
+            parts.append(f"SIR had no proposal inside the training support for {failed} observation(s) (row left out there).")
         if s.recipe == "smoke":
             parts.append("Smoke: tiny in-memory score models; the numbers check the wiring only.")
         return " ".join(parts)
