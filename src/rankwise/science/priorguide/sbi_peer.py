@@ -43,6 +43,27 @@ def to_torch_distribution(prior: Any) -> Any:
     return prior
 
 
+class _NoTracker:
+    """sbi's tracker interface, doing nothing: sbi's default writes TensorBoard logs to ./sbi-logs."""
+
+    log_dir = ""
+
+    def log_metric(self, name: str, value: float, step: int | None = None) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        pass
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        pass
+
+    def add_figure(self, name: str, figure: Any, step: int | None = None) -> None:
+        pass
+
+    def flush(self) -> None:
+        pass
+
+
 def _builder(hidden: int, layers: int) -> Any:
     from sbi.neural_nets import posterior_score_nn
 
@@ -56,7 +77,7 @@ def train_npse(theta: Tensor, x: Tensor, train_prior: Any, *, epochs: int = 40, 
 
     torch.manual_seed(seed)
     inf = NPSE(prior=to_torch_distribution(train_prior), vf_estimator=_builder(hidden, layers),
-               show_progress_bars=False)
+               show_progress_bars=False, tracker=_NoTracker())
     est = inf.append_simulations(theta.float(), x.float()).train(
         max_num_epochs=epochs, stop_after_epochs=epochs, training_batch_size=batch_size,
         show_train_summary=False)
@@ -73,7 +94,7 @@ def build_sbi_posterior(estimator: Any, train_prior: Any) -> Any:
     from sbi.inference import NPSE
 
     prior = to_torch_distribution(train_prior)
-    return NPSE(prior=prior, show_progress_bars=False).build_posterior(estimator, prior=prior, sample_with="sde")
+    return NPSE(prior=prior, show_progress_bars=False, tracker=_NoTracker()).build_posterior(estimator, prior=prior, sample_with="sde")
 
 
 def sbi_sample(posterior: Any, x_obs: Tensor, n: int, *, steps: int = 100, seed: int = 0,
