@@ -206,9 +206,12 @@ def test_zoo_build_calls_the_zoo(runner: CliRunner, monkeypatch: pytest.MonkeyPa
         return "built"
 
     monkeypatch.setattr(rankwise.zoo, "build", build, raising=False)
+    from rankwise.repro.kit import artefacts
+
+    monkeypatch.setattr(artefacts, "build_all", lambda force=False: calls.append(("artefacts", force)) or {})
     res = invoke(runner, "zoo", "build", "--force")
     assert res.exit_code == 0, res.output
-    assert calls == [(True, "small")] and "built" in res.stdout
+    assert calls == [(True, "small"), ("artefacts", True)] and "built" in res.stdout
 
 
 def test_zoo_build_missing_is_a_clear_error(runner: CliRunner, monkeypatch: pytest.MonkeyPatch) -> None:

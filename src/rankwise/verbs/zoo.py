@@ -31,6 +31,11 @@ def zoo_build_cmd(
     result = build(**kwargs)
     if result is not None and not common.settings(ctx).quiet:
         common.console().print(result)
+    from rankwise.repro.kit import artefacts  # the reproductions' cached models (PriorGuide's score models)
+
+    extra = artefacts.build_all(force=force)
+    if not common.settings(ctx).quiet:
+        common.console().print(extra)
 
 
 def register(app: typer.Typer) -> None:

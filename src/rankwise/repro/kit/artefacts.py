@@ -1,0 +1,31 @@
+"""Cached artefacts of the reproductions that ``rankwise zoo build`` builds after the zoo's own.
+
+:data:`BUILDERS` maps a name to ``"module:function"``; each function takes ``force`` (rebuild what is
+cached) and returns a JSON-able record. A reproduction whose trained models are cached by a recipe adds
+one line here (imported lazily, so that building one does not import every reproduction's peers).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__all__ = ["BUILDERS", "build_all"]
+
+BUILDERS: dict[str, str] = {
+    "priorguide": "rankwise.repro.kit.score_models:build",
+}
+
+
+def build_all(force: bool = False, only: tuple[str, ...] | None = None) -> dict[str, Any]:
+    """Run every builder (or those named in ``only``); returns ``{name: record}``."""
+    unknown = [n for n in (only or ()) if n not in BUILDERS]
+    if unknown:
+        raise ValueError(f"unknown artefact builders {unknown}; choose from {list(BUILDERS)}")
+    out: dict[str, Any] = {}
+    for name, target in BUILDERS.items():
+        if only and name not in only:
+            continue
+        mod, fn = target.split(":")
+        out[name] = getattr(importlib.import_module(mod), fn)(force=force)
+    return out
