@@ -359,8 +359,8 @@ def _notes(S: dict[str, Any], checks: list[ClaimCheck], runs: dict[str, list[dic
     notes = (
         f"ALG-G with the spec's re-impl. constants (|S1|=max(6,3k), |S2|=max(24,8k,80), guard kernel/3 after a gap "
         f"delta=5, keep 75%, assign |V_i|/2, stop at 100), nearest='{NEAREST}', except the kernel: max(12, "
-        f"floor({S['kernel_factor']:g} floor(log2|V_i|))) (the re-impl.'s factor 1.2 leaves the kernel at the floor 12, "
-        f"7 votes, for every n < 8192; 2 is the smallest integer factor that makes the spec's Theta(log n) term active "
+        f"floor({S['kernel_factor']:g} floor(log2|V_i|))) (the re-impl.'s factor 1.2 leaves ALG-TESTER at 7 votes for "
+        f"every n < 8192; 2 is the smallest integer factor that makes the spec's Theta(log n) term active "
         f"at every n >= 1000), and the nearest-sample knockout is a {S['knockout']} one. Our additions, documented in docs/methods/rank_clustering.md: PROBSORT ends with a "
         "robust re-insertion pass (window majorities) because the windowed merge alone leaves items hundreds of "
         "ranks away under persistent errors; ALG-TESTER votes with the first kernel-delta kernel points (odd). "

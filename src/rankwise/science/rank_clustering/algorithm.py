@@ -53,11 +53,12 @@ class RModelConfig:
 
     Why ``kernel_factor = 2`` (the spec leaves the constant of KERNEL's Theta(log n) open; the third-party
     re-implementation uses 1.2 with a floor of 12): ALG-TESTER's majority over the kernel votes must be right
-    w.h.p., i.e. its error must fall as n grows. With 1.2, ``floor(1.2 floor(log2 n))`` stays below the floor
-    12 for every n < 8192, so over the spec's experiments (n = 1000 ... 10000) the kernel is the constant 12
-    (7 votes) and the tester errs with a constant probability (7 % at phi = 0.25, the edge of the noise range
-    the spec's claim (c) tests). 2 is the smallest integer factor for which the log term exceeds the floor at
-    every n >= 1000 (floor(log2 1000) = 9), so the kernel grows with n there (n = 2000: 20 points, 15 votes).
+    w.h.p., i.e. its error must fall as n grows. With 1.2 the kernel is the floor 12 for every n < 2048 and
+    13-14 up to n = 8191, so the tester's votes (kernel - delta, made odd) stay at 7 for every n < 8192 in the
+    spec's experiments (n = 1000 ... 10000): its error is a constant (7 % at phi = 0.25, the edge of the noise
+    range the spec's claim (c) tests), not one that falls with n. 2 is the smallest integer factor for which
+    the log term exceeds the floor at every n >= 1000 (floor(log2 1000) = 9), so the votes grow with n there
+    (n = 1000: 13; n = 2000: 15, wrong 1.7 % of the time at phi = 0.25).
     Why the bracket: with the same |S1| - 1 tester calls, the true nearest sample plays ceil(log2 |S1|)
     matches instead of up to |S1| - 1, so fewer tester errors can knock it out.
     """
