@@ -20,7 +20,14 @@ runs 12 rounds of H = 6 steps rather than the spec's 16 x 8, which measured ~15 
 
 Quick mode runs the strategies with Flower's server loop and in-process clients (no Ray: its start
 costs ~10 s of the 60 s budget); ``rankwise federate`` runs the same strategies and client in
-Flower's simulation engine.
+Flower's simulation engine. Quick mode freezes the head at its seeded initialisation (``head_lr = 0``) so
+that accuracy is the adapter's alone (with a trained head the rows differed by seed noise and the
+full-rank upper bound was the least accurate row: the head carried the accuracy) and adds the full-rank
+upper bound FedAvg-LoRA r = 16, for the precondition that it beats FedAvg-LoRA r = k_min.
+
+Same seed, same numbers: the frozen top BERT layers run without dropout (:func:`no_dropout`; their
+dropout drew from torch's global generator during client training, so two runs on one seed differed) and
+the runs use one torch thread (:mod:`rankwise.repro.kit.flower`).
 
 Claims (spec "THE CLAIM"): FSLoRA's mean final accuracy >= FedAvg-LoRA(r = k_min) + 2 points and
 >= HetLoRA - 0.5 point; FSLoRA's mean per-client adapter upload <= (mean k_i / r) x the full-rank
@@ -34,7 +41,10 @@ with its paired per-example correctness differences on the test set (the final g
 bootstrap interval decides it); the upload ratio (exact byte accounting, a point estimate); in full mode
 the sketch-ratio ablation. Preconditions (stated before any run; no new threshold: 0.99 is the
 reproductions' saturation line, chance is 1 / labels): the task does not saturate (not every row's final
-accuracy above 0.99) and the compared baseline FedAvg-LoRA(k_min) learned (its final accuracy above chance).
+accuracy above 0.99) and the compared baseline FedAvg-LoRA(k_min) learned (its final accuracy above chance);
+where the full-rank row runs, the upper bound FedAvg-LoRA r = 16 beats the lower bound FedAvg-LoRA r = k_min
+(mean final accuracy difference > 0): without it, rank is not what limits accuracy and the accuracy claims
+compare noise.
 """
 
 from __future__ import annotations
@@ -474,9 +484,11 @@ class FSLoRAReproduction(Reproduction[FSLoRASettings, dict]):
             f"{S.per_round} per round, {S.rounds} rounds of {S.local_steps} local steps; in-process "
             "clients through Flower's server loop (no Ray). Aggregation weighted by example counts for every "
             "method (Flower's FedAvg does so); FSLoRA's paper default is 1/|C| (FSLoRAConfig.weighting='uniform').",
-            f"The small budget (few rounds, few local steps at lr {S.client_lr:g}) means accuracies are mostly "
-            "carried by the head, which every method trains in full; differences between adapters are small at "
-            "this scale.",
+            (f"The head is frozen at its seeded initialisation (head_lr 0): every point of accuracy is the "
+             f"adapter's (LoRA lr {S.client_lr:g})." if S.head_lr == 0 else
+             f"The small budget (few rounds, few local steps at lr {S.client_lr:g}) means accuracies are mostly "
+             "carried by the head, which every method trains in full; differences between adapters are small at "
+             "this scale."),
             "Upload bytes are exact accounting of what each client sends; the head "
             f"({self._table.rows['FSLoRA']['head upload KB/client'][0]:.1f} KB) is uploaded in full by every method "
             "and is excluded from the ratio claim."])
