@@ -309,6 +309,10 @@ def test_bad_clusterer_inputs():
         RModelConfig(k=2, variant="doubling")
     with pytest.raises(ValueError, match="keep_fraction"):
         RModelConfig(k=2, keep_fraction=0.0)
+    with pytest.raises(ValueError, match="kernel_factor"):
+        RModelConfig(k=2, kernel_factor=0.0)
+    with pytest.raises(ValueError, match="knockout"):
+        RModelConfig(k=2, knockout="swiss")
     with pytest.raises(Exception):
         RModelConfig(k=2).k = 3  # type: ignore[misc]
 
@@ -346,3 +350,47 @@ def test_kmedoids_p1_and_bad_inputs():
         weighted_kmeanspp(P, None, 81)
     with pytest.raises(ValueError, match="weights"):
         weighted_kmeanspp(P, -np.ones(80), 2)
+
+
+def test_kernel_size_is_theta_log_n_with_the_documented_factor():
+    """kernel = max(12, floor(kernel_factor floor(log2 |V_i|))); with the default 2 the log term is active (above the
+    floor 12) at every n >= 1000, while the re-impl.'s 1.2 stays at 12 below n = 2048 (7 votes below 8192)."""
+    from rankwise.science.rank_clustering.algorithm import _sample_sizes
+
+    for n in (1000, 2000, 4000, 10_000):
+        assert _sample_sizes(RModelConfig(k=5), n)[2] == 2 * int(math.log2(n)) > 12
+        assert _sample_sizes(RModelConfig(k=5, kernel_factor=1.2), n)[2] == max(12, int(1.2 * int(math.log2(n))))
+    assert _sample_sizes(RModelConfig(k=5, kernel_factor=1.2), 2000)[2] == 12
+    assert _sample_sizes(RModelConfig(k=5, kernel_size=7), 4000)[2] == 7  # an explicit size wins
+
+
+@pytest.mark.parametrize("kind", ["bracket", "sequential"])
+def test_knockouts_find_the_minimum_with_m_minus_1_comparisons(kind):
+    from rankwise.science.rank_clustering.algorithm import _knockout
+
+    rng = np.random.default_rng(0)
+    for m in (1, 2, 5, 8, 15):
+        vals = rng.normal(size=(7, m))
+        calls = []
+
+        def le(a, b):
+            calls.append(len(a))
+            return vals[np.arange(7), a] <= vals[np.arange(7), b]
+
+        assert np.array_equal(_knockout(m, 7, le, kind), vals.argmin(1))
+        assert len(calls) == m - 1  # one comparison per point per call, the same count for both
+
+
+def test_bracket_winner_plays_log_matches():
+    """The bracket's winner meets ceil(log2 m) opponents; the sequential champion at position 0 meets m - 1."""
+    from rankwise.science.rank_clustering.algorithm import _knockout
+
+    for kind, expected in (("bracket", 4), ("sequential", 14)):
+        met = []
+
+        def le(a, b):
+            met.append(int((a == 0).sum() + (b == 0).sum()))
+            return a == 0  # candidate 0 wins every match it plays
+
+        assert _knockout(15, 1, le, kind)[0] == 0
+        assert sum(met) == expected

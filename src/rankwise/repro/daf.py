@@ -7,7 +7,7 @@ sentiment x topic" task (2 000 train / 1 000 test, at most 16 tokens, batch 16).
 encoder layers are adapted (their six linear layers are DAF's candidates: q, k, v, attention output,
 fc1, fc2); the frozen layers below are run once and cached. Every model trains with the shared loop
 (:class:`rankwise.train.finetune.Trainer`: AdamW, linear schedule with 6 % warm-up, clipping 1.0) in
-lock step on the same batches; the head trains in every row at 1e-3, outside the budget.
+lock step on the same batches; the head trains in every row at 1e-3 (the head-only row too), outside the budget.
 
 Budget ``P = (2 · top_layers) · R_QV · 768``: the size of rank-``R_QV`` LoRA on q and v of the adapted
 layers (9 216 in quick mode with 2 layers, 18 432 in full mode with 4 layers: the spec's 6 layers x 160 steps x
@@ -26,7 +26,15 @@ layers (9 216 in quick mode with 2 layers, 18 432 in full mode with 4 layers: th
 
 Every adapter row uses scaling 2 (``alpha = 2 r``; AdaLoRA: ``lora_alpha = 2 init_r``, PEFT divides by ``init_r``).
 Learning rates: every row gets its best adapter rate from the same grid by :func:`lr_sweep` on a
-development seed with a validation split (``DafSettings.lrs``); full mode reuses the quick-mode rates.
+development seed with a validation split (``DafSettings.lrs``), the grid extended at an edge for every row
+until no row's best rate sits at an edge; the head trains at one rate (``lr_head``) in every row, the
+head-only reference included; full mode reuses the quick-mode rates.
+
+DAF's change test (:func:`change_threshold`): a rebuild applies when more than ``1.5 / C`` of the
+selection mask over the ``C = 6 top_layers`` candidates changes, i.e. one swap. The official 0.10 means
+"a quarter of the units swapped" at the spec's sizes (8 units in 36 candidates) but "half of them or more"
+with the 3-4 units of this budget (in full mode one swap is 2/24 = 0.083 < 0.10, so DAF could only equal
+the static allocation); one swap keeps the spec's meaning here.
 What runs is :class:`DafSettings` (``SETTINGS[mode]``; ``rankwise reproduce daf --set analysis_every=20``):
 the model, data sizes, layers, steps, the analysis schedule, the rows, DAF's unit rank, the baselines' rank
 and targets, the budget (``None``: the formula above), AdaLoRA's schedule and regulariser, and the learning
@@ -84,16 +92,24 @@ HIDDEN = 384
 LR_HEAD = 1e-3
 ORTH_REG = 0.1
 ROWS = ("DAF", "static (round 0 only)", "LoRA q,v (PEFT)", "AdaLoRA q,v (PEFT)")
-# adapter learning rate per row, chosen by lr_sweep() on the grid {3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1} (dev seed 100,
+# adapter learning rate per row, chosen by lr_sweep() on the grid {1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1} (dev seed 100,
 # quick settings, 1 600 training / 400 validation sentences; the head at LR_HEAD). Validation accuracy per rate:
 #   DAF      0.675 0.6175 0.565  0.4975 0.4725 0.49     (best 3e-4, the lower edge: the adapters barely move)
 #   static   0.675 0.6175 0.5675 0.4975 0.465  0.4975   (best 3e-4)
 #   LoRA     0.6675 0.6975 0.6075 0.8125 0.5675 0.4875  (best 1e-2)
 #   AdaLoRA  0.6675 0.6675 0.6675 0.675 0.865  0.9775   (best 1e-1, the upper edge)
-# "head only" (full mode only) was not swept here: 3e-2, the head-only optimum of the CDKA sweep on the same task.
-# smoke and full use these quick-mode rates.
+# That grid ended at DAF's and static's optimum (lower edge) and at AdaLoRA's (upper edge), so it was extended by
+# one half-decade at each edge, for every row, same seed, split and head rate (2026-12-01, with the one-swap change
+# test, which in quick mode passes the same swaps as 0.10: 2/12 candidates exceeds both):
+#            1e-4     3e-1
+#   DAF      0.6725   0.2175   (3e-4 stays best, now inside the grid)
+#   static   0.6725   0.2175   (3e-4)
+#   LoRA     0.67     0.2175   (1e-2)
+#   AdaLoRA  0.6675   0.53     (1e-1 stays best, now inside the grid)
+# The head trains at LR_HEAD in every row; "head only" (full mode) trains only its head, at LR_HEAD too (before the
+# review it had 3e-2, thirty times the adapter rows' head rate). smoke and full use these quick-mode rates.
 LRS: tuple[tuple[str, float], ...] = (("DAF", 3e-4), ("static (round 0 only)", 3e-4), ("LoRA q,v (PEFT)", 1e-2),
-                                      ("AdaLoRA q,v (PEFT)", 1e-1), ("head only", 3e-2))
+                                      ("AdaLoRA q,v (PEFT)", 1e-1))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -119,9 +135,12 @@ class DafSettings(Settings):
     adalora_tfinal: float = setting(0.3, "AdaLoRA's final fine-tuning at the target budget, a fraction of the steps",
                                     lo=0.0, hi=1.0)
     orth_reg: float = setting(ORTH_REG, "AdaLoRA's orthogonality regulariser weight", lo=0.0)
-    lr_head: float = setting(LR_HEAD, "head learning rate of every adapter row", lo=0.0)
-    lrs: tuple[tuple[str, float], ...] = setting(LRS, "(row, adapter lr) per row, by lr_sweep (head only: the "
-                                                      "head's lr)")
+    change_threshold: float | None = setting(None, "DAF's matrix change test: applied when the changed fraction of "
+                                                   "the candidates' selection mask exceeds this (None: 1.5 / (6 "
+                                                   "top_layers), one swap passes; the official 0.10 asks for 2 of "
+                                                   "the 3-4 units here, see change_threshold())", lo=0.0, hi=1.0)
+    lr_head: float = setting(LR_HEAD, "head learning rate of every row (the head-only row included)", lo=0.0)
+    lrs: tuple[tuple[str, float], ...] = setting(LRS, "(row, adapter lr) per adapter row, by lr_sweep at lr_head")
 
     def validate(self) -> None:
         if self.n_train % 4 or self.n_test % 4:
@@ -134,7 +153,7 @@ class DafSettings(Settings):
         if not {"DAF", "static (round 0 only)", "AdaLoRA q,v (PEFT)"} <= set(self.rows):
             raise ValueError(f"DafSettings.rows must include DAF, static (round 0 only) and AdaLoRA q,v (PEFT), "
                              f"got {self.rows}")
-        missing = [r for r in self.rows if r not in {x[0] for x in self.lrs}]
+        missing = [r for r in self.rows if r != "head only" and r not in {x[0] for x in self.lrs}]
         if missing:
             raise ValueError(f"DafSettings.lrs has no learning rate for {missing}")
 
@@ -215,6 +234,28 @@ class AdaLoraHook:
         return total
 
 
+def _head_only(base: TopModel) -> TopModel:
+    h = copy.deepcopy(base)
+    for p in h.parameters():
+        p.requires_grad_(False)
+    for p in h.classifier.parameters():
+        p.requires_grad_(True)
+    return h
+
+
+def change_threshold(S: DafSettings) -> float:
+    """DAF's matrix change threshold: ``S.change_threshold``, or (None) ``1.5 / C`` with ``C = 6 top_layers``
+    candidate matrices, so that one swap (two changed mask entries) passes and no change does not.
+
+    Why not the official 0.10: the test counts changed entries of the selection mask over all C candidates.
+    At the spec's own sizes (36 candidates, P = 8 units) 0.10 asks for 4 changed entries, i.e. 2 of the 8
+    units (a quarter) replaced. Here P holds 3-4 units in 12 (quick) or 24 (full) candidates; 0.10 then asks
+    for 2 of 3-4 units (in full mode: one swap is 2/24 = 0.083, below 0.10), so DAF could only equal the
+    static allocation unless the ranking turns over wholesale. A quarter of 3-4 units is one unit: one swap.
+    """
+    return S.change_threshold if S.change_threshold is not None else 1.5 / (6 * S.top_layers)
+
+
 def _build(base: TopModel, analysis: list[Batch], S: DafSettings, seed: int, budget: int
            ) -> tuple[dict[str, nn.Module], dict[str, Any]]:
     import peft
@@ -226,7 +267,8 @@ def _build(base: TopModel, analysis: list[Batch], S: DafSettings, seed: int, bud
     hooks: dict[str, Any] = {}
     cfg = daf.DAFConfig(lora_rank=S.r_daf, lora_alpha=2.0 * S.r_daf, budget_params=budget,
                         analysis_every=S.analysis_every,
-                        analysis_batches=S.analysis_batches, seed=seed)
+                        analysis_batches=S.analysis_batches, change_thresholds=(change_threshold(S), 0.20),
+                        seed=seed)
     m = daf.adapt(copy.deepcopy(base), cfg, batches=analysis, loss_fn=_loss)
     for p in m.classifier.parameters():
         p.requires_grad_(True)
@@ -252,12 +294,7 @@ def _build(base: TopModel, analysis: list[Batch], S: DafSettings, seed: int, bud
         models["AdaLoRA q,v (PEFT)"] = tuner
         hooks["AdaLoRA q,v (PEFT)"] = AdaLoraHook(tuner, S.orth_reg)
     if "head only" in rows:
-        h = copy.deepcopy(base)
-        for p in h.parameters():
-            p.requires_grad_(False)
-        for p in h.classifier.parameters():
-            p.requires_grad_(True)
-        models["head only"] = h
+        models["head only"] = _head_only(base)
     return {k: models[k] for k in S.rows if k in models}, {"hooks": hooks, "config": cfg, "round0": round0}
 
 
@@ -266,8 +303,8 @@ def _train(models: dict[str, nn.Module], hooks: dict[str, Any], batches: list[Ba
            ) -> tuple[dict[str, Trainer], daf.DAFController | None, list[int]]:
     trainers: dict[str, Trainer] = {}
     for name, model in models.items():
-        lr_a = lrs[name]
-        lr_h = lr_a if name == "head only" else lr_head
+        lr_h = lr_head  # the same head rate in every row, the head-only row included
+        lr_a = lr_head if name == "head only" else lrs[name]
         cfg = FinetuneConfig(lr=lr_a, steps=total, batch_size=len(batches[0]), seed=seed)
         head = model.model.classifier if name in hooks else model.classifier
         make = hooks[name].optimizer(head, lr_a, lr_h) if name in hooks else adapter_optimizer(head, lr_a, lr_h)
@@ -348,7 +385,8 @@ def _measure(seed: int, S: DafSettings, bert: nn.Module, tok: Any) -> dict[str, 
 
 
 def lr_sweep(grid: Sequence[float] = (1e-3, 3e-3, 1e-2), seed: int = 100, mode: str = "quick",
-             n_val: int = 400, settings: DafSettings | None = None) -> dict[str, dict[float, float]]:
+             n_val: int = 400, settings: DafSettings | None = None,
+             lr_head: float | None = None) -> dict[str, dict[float, float]]:
     """Validation accuracy of every row at each adapter learning rate of ``grid`` (head at ``LR_HEAD``;
     the head-only row sweeps the head's rate), on a development seed, with the settings of ``mode`` (or
     ``settings``), training on the first ``n_train - n_val`` training sentences and scoring the last ``n_val``
@@ -365,7 +403,8 @@ def lr_sweep(grid: Sequence[float] = (1e-3, 3e-3, 1e-2), seed: int = 100, mode: 
     out: dict[str, dict[float, float]] = {}
     for lr in grid:
         models, info = _build(base, analysis, S, seed, _budget(S))
-        _train(models, info["hooks"], batches, analysis, seed, {r: lr for r in models}, len(batches), S.lr_head)
+        _train(models, info["hooks"], batches, analysis, seed, {r: lr for r in models}, len(batches),
+               S.lr_head if lr_head is None else lr_head)
         for row, model in models.items():
             out.setdefault(row, {})[lr] = evaluate_cached(model, val_split.hidden, val_split.mask, val_split.labels)[0]
     return out
@@ -434,13 +473,13 @@ class DafReproduction(MiniLMReproduction):
             f"{S.analysis_batches} fixed batches (train mode, seeded). Budget P = {budget} (rank-{S.r_qv} LoRA on "
             f"{', '.join(S.baseline_targets)} unless set); DAF units rank {S.r_daf}, greedy by S/cost until P (units "
             f"that do not fit are passed over). Rounds after step 0: {len(rounds)}, applied {applied}, change "
-            f"fractions {changes} (threshold 0.10). AdaLoRA on {', '.join(S.baseline_targets)} with "
+            f"fractions {changes} (threshold {change_threshold(S):.3f}). AdaLoRA on {', '.join(S.baseline_targets)} with "
             f"target_r={S.r_qv} (init_r={2 * S.r_qv}); its orthogonality regulariser is added to the gradients after "
-            "clipping. Learning rates from one equal sweep per row on a development seed (the settings' lrs): DAF's "
-            "and the static row's best adapter rate is the grid's lowest (3e-4; higher rates let the selected "
-            "value/output units erase the pretrained sentiment features), AdaLoRA's the highest (1e-1). The head "
-            f"trains at {S.lr_head:g} in every adapter row (the CDKA/PSOFT convention); the head-only reference trains "
-            "it at 3e-2. Accuracy margins of a few tenths of a point are within seed noise at this scale (tens of "
+            "clipping. Learning rates from one equal sweep per row on a development seed (the settings' lrs); the "
+            "grid was extended at an edge, for every row, until no row's best rate sat at an edge. The head "
+            f"trains at {S.lr_head:g} in every row, the head-only reference included (the CDKA/PSOFT convention). "
+            f"DAF's change test: a rebuild applies when more than {change_threshold(S):.3f} of the candidates' "
+            "selection mask changes (one swap; see daf.change_threshold). Accuracy margins of a few tenths of a point are within seed noise at this scale (tens of "
             "steps, a synthetic 4-class task): claims (a) and (b) are qualitative here, with paired intervals over "
             "the test sentences; (c) is exact.")
 

@@ -6,8 +6,15 @@ the two stages of ``Alg``, the reference algorithm ``TwoLayerAlg(width=L)``. Eve
 is evaluated the standard DD way: retrained from ``EVAL_INITS`` new initialisations (seeds never
 used in distillation) and scored by the test MSE on 10^4 fresh samples normalised by ``Var(y)``.
 
-Quick mode runs half the method's default stage-1 steps (500) and 200 stage-2 steps to fit its budget;
-full mode uses the defaults (1000 / 300).
+Quick mode runs one seed (0) at the method's default 1000 stage-1 steps and 200 stage-2 steps (the spec's
+quick mode is one seed with margins x1.5; two seeds x 500 steps cost the same and stopped stage 1 before it
+converged); full mode uses the defaults (1000 / 300) on three seeds.
+
+Which stage-2 protocol the thresholds belong to: claims (a) and (b) are measured on the standard
+dataset-distillation protocol the spec's evaluation names, i.e. the distilled set (stage-2 labels distilled
+over fresh initialisations at every step) retrained from ``EVAL_INITS``, initialisations never seen in
+distillation. The theory's protocol (stage-2 labels distilled for one initialisation and retrained from that
+same initialisation) is reported as its own row and is not what the thresholds are checked on.
 
 Rows: the distilled set ``S1 u S2`` (``M1 = 2 r^2``, ``M2 = L``); full real data (upper reference);
 a random real subset and a k-center coreset with the same memory (``floor(memory / (d + 1))``
@@ -57,7 +64,7 @@ class DistillSettings(Settings):
     L: int = setting(128, "width of the two-layer network (M2 = L stage-2 labels)", lo=1)
     n1: int = setting(8000, "real stage-1 examples", lo=1)
     n2: int = setting(4000, "real stage-2 examples", lo=1)
-    steps: int = setting(500, "stage-1 distillation steps (the method's default is 1000)", lo=1)
+    steps: int = setting(1000, "stage-1 distillation steps (the method's default)", lo=1)
     steps2: int = setting(200, "stage-2 distillation steps", lo=1)
     inits: int = setting(16, "fresh initialisations per stage-1 step", lo=1)
     real_batch: int = setting(1024, "real batch per stage-1 step", lo=1)
@@ -78,7 +85,9 @@ class DistillSettings(Settings):
 SETTINGS: dict[str, DistillSettings] = {
     "smoke": DistillSettings(d=12, L=32, n1=800, n2=400, steps=20, steps2=20, inits=4, real_batch=256,
                              stage2_inits=2, curve_points=(2, 10)),
-    "quick": DistillSettings(),  # half the method's default stage-1 steps, to fit the 60 s budget
+    # quick: one seed at the method's default 1000 stage-1 steps (the spec's quick mode is one seed with the
+    # margins x1.5); the same stage-1 cost as two seeds x 500 steps, which stopped stage 1 before it converged
+    "quick": DistillSettings(steps=1000, seeds=(0,)),
     "full": DistillSettings(tol=1.0, steps=1000, steps2=300, curve_points=(2, 5, 11, 22, 45, 90, 180, 360),
                             m1_sweep=("1", "r", "r^2", "4r^2"), unconstrained=True,
                             grid=tuple((d, r, L) for d in (32, 64) for r in (1, 2, 3) for L in (64, 256))),
@@ -188,9 +197,11 @@ def _finish(cfg: dict[str, Any], table: Table) -> tuple[list[ClaimCheck], str, d
     m = table.mean
     bound = r * r * d + L
     checks = [
-        ClaimCheck(f"(a) test MSE of Alg(S1 u S2) - test MSE of Alg(full data) (tolerance 0.15 x {tol:g})",
+        ClaimCheck(f"(a) test MSE of Alg(S1 u S2) - test MSE of Alg(full data) (tolerance 0.15 x {tol:g}; standard DD "
+                   f"protocol: the distilled set retrained from {len(EVAL_INITS)} new inits)",
                    m(DD, "test_mse") - m(FULL, "test_mse"), "<=", 0.15 * tol, unit="normalised MSE"),
-        ClaimCheck(f"(b) random equal-memory subset test MSE - distilled test MSE (gap 0.2 / {tol:g})",
+        ClaimCheck(f"(b) random equal-memory subset test MSE - distilled test MSE (gap 0.2 / {tol:g}; both retrained "
+                   f"from new inits)",
                    m(RAND, "test_mse") - m(DD, "test_mse"), ">=", 0.2 / tol, unit="normalised MSE"),
         ClaimCheck(f"(c) energy ratio of the distilled inputs in span(U) (random inputs: r/d = {r / d:.3f})",
                    m(DD, "energy_ratio"), ">=", 0.8),
@@ -214,8 +225,11 @@ def _finish(cfg: dict[str, Any], table: Table) -> tuple[list[ClaimCheck], str, d
         f"initialisation changes the features, so L labels cannot reproduce the real readout of every network "
         f"(the least-squares optimum of the labels over 48 networks also stays far from the full data, see the "
         f"method page).")
+    notes += (" The thresholds of (a) and (b) belong to the standard DD protocol (retrained from new inits); the "
+              "theory's same-init protocol is the row '" + SAME + "', reported, not checked.")
     if cfg["tol"] == 1.5 and cfg["steps"] > 20:
-        notes += " Quick mode uses the spec's x1.5 tolerances for one-seed runs."
+        notes += (" Quick mode: one seed at the method's default 1000 stage-1 steps (the spec's one-seed quick mode) "
+                  "with the spec's x1.5 tolerances for one-seed runs.")
     if cfg["steps"] <= 20:
         notes += " Smoke mode: tiny sizes, the verdict is not meaningful."
     config = {"eval_inits": list(EVAL_INITS), "eta1": "sqrt(d) L", "ridge": 1e-3, "m1": 2 * r * r, "m2": L,

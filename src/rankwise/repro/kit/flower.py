@@ -10,11 +10,16 @@ import torch
 
 @contextlib.contextmanager
 def flower_run() -> Iterator[None]:
-    """At most two torch threads (the runs' own choice) and Flower's logger quiet; both restored after."""
+    """One torch thread and Flower's logger quiet; both restored after.
+
+    One thread, whatever the machine: a float sum split over another number of threads rounds differently,
+    so with ``min(2, cores)`` threads (the earlier choice) the same seed gave other numbers on another
+    machine or under another ``OMP_NUM_THREADS``. The tensors are small; a second thread bought little.
+    """
     from rankwise.federated.common import quiet_flwr
 
     before = torch.get_num_threads()
-    torch.set_num_threads(max(1, min(2, before)))
+    torch.set_num_threads(1)
     restore_flwr_log = quiet_flwr()
     try:
         yield
