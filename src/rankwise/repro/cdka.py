@@ -55,7 +55,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-import random
 import statistics
 from pathlib import Path
 from typing import Any, Sequence
@@ -69,6 +68,7 @@ from rankwise.repro.result import ClaimCheck, Precondition, Table
 from rankwise.repro.kit.minilm import MiniLMReproduction
 from rankwise.repro.skeleton import Records, Settings, pyplot, save_figure, setting
 from rankwise.train.finetune import Batch
+from rankwise.repro.kit.negation import LABELS, negation_task  # the task (re-exported for psoft, daf)
 from rankwise.repro.kit.cached_encoder import (
     CachedSplit,
     FrozenPrefix,
@@ -157,52 +157,6 @@ COMPARED = ("CDKA-aligned", "LoKr (PEFT)", "LoRA (PEFT)")
 # ------------------------------------------------------------------------------------------------
 # the task: negated sentiment x topic
 # ------------------------------------------------------------------------------------------------
-
-FILMS = ("the film", "the movie", "the documentary", "the sequel", "the thriller", "the comedy", "the drama",
-         "the cartoon", "the musical", "the western", "the premiere", "the screenplay")
-FOODS = ("the soup", "the pizza", "the salad", "the curry", "the dessert", "the bread", "the pasta", "the stew",
-         "the sandwich", "the omelette", "the noodles", "the pie")
-POSITIVE = ("good", "great", "excellent", "wonderful", "delightful", "superb", "pleasant", "brilliant",
-            "lovely", "fantastic")
-NEGATIVE = ("bad", "awful", "terrible", "dreadful", "boring", "poor", "horrible", "disappointing", "bland",
-            "mediocre")
-FILLERS = ("today", "last night", "at the festival", "this weekend", "for everyone", "in my opinion",
-           "as expected", "again", "honestly", "on sunday")
-LABELS = ("film-negative", "film-positive", "food-negative", "food-positive")
-
-
-def negation_task(seed: int = 0, n_train: int = 2000, n_test: int = 1000
-                  ) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
-    """Seeded "negated sentiment x topic" sentences ``"<subject> was [not] <adjective> <filler>"``.
-
-    Label ``2 * topic + sentiment`` with topic 0 = film, 1 = food and sentiment = polarity(adjective)
-    XOR negation (1 = positive). Train and test are disjoint sets of distinct sentences, drawn
-    without replacement from all 19 200 combinations by ``random.Random(seed)``; classes are balanced.
-    """
-    if n_train < 4 or n_test < 4 or n_train % 4 or n_test % 4:
-        raise ValueError(f"n_train and n_test must be positive multiples of 4, got {n_train}, {n_test}")
-    rng = random.Random(seed)
-    by_label: list[list[str]] = [[] for _ in LABELS]
-    for topic, subjects in enumerate((FILMS, FOODS)):
-        for subj in subjects:
-            for pol, adjs in ((1, POSITIVE), (0, NEGATIVE)):
-                for adj in adjs:
-                    for neg in (False, True):
-                        for fill in FILLERS:
-                            text = f"{subj} was {'not ' if neg else ''}{adj} {fill}"
-                            by_label[2 * topic + (pol ^ int(neg))].append(text)
-    per_tr, per_te = n_train // 4, n_test // 4
-    if per_tr + per_te > min(len(v) for v in by_label):
-        raise ValueError(f"at most {min(len(v) for v in by_label) * 4} sentences exist; asked {n_train + n_test}")
-    train, test = [], []
-    for label, texts in enumerate(by_label):
-        pick = rng.sample(texts, per_tr + per_te)
-        train += [(t, label) for t in pick[:per_tr]]
-        test += [(t, label) for t in pick[per_tr:]]
-    rng.shuffle(train)
-    rng.shuffle(test)
-    return train, test
-
 
 # ------------------------------------------------------------------------------------------------
 # alignment of the baselines' structures

@@ -32,9 +32,16 @@ every seed, the mean RMI of adjacent layers exceeds the mean RMI of layers at di
 this scale; ``claim`` checks with the paired per-example differences of correctness on the test
 sentences, so they carry a bootstrap interval).
 
+Issue 14: the negation task saturated (full mode: every row at 100 %), so quick and full now run the zoo's
+``kind`` task (does a docstring document a class, a function or a method; a linear probe on frozen MiniLM
+features reaches about 0.65 of it, the least of the zoo's tasks), 24 tokens, all 792 training / 318 test
+docstrings; the negation task stays available (``task=negation``, its word lists are settings). Quick runs
+one seed at 60 steps; every row trains at one rate per mode (no sweep on ``kind`` yet; see :data:`LRS`).
+A head-only row (a linear probe on the frozen encoder) is the lower bound of a new precondition.
+
 Preconditions (with the conversion to the skeleton; they can only move the verdict to ``inconclusive``):
-the task does not saturate (not every row at >= 99.9 % test accuracy, the threshold at which the notes
-already called the accuracy checks trivial, :data:`SATURATED`), and LoRA r0, the baseline (c) compares
+the task does not saturate (not every row at >= 99 % test accuracy, within one point of 100 %,
+:data:`SATURATED`; it was 99.9 %), the adapters matter (LoRA r0 above the head-only probe), and LoRA r0, the baseline (c) compares
 against, learned (test accuracy above chance 1/4 by more than 0.10, the floor the LoRA reproduction uses;
 a new threshold).
 """
@@ -52,13 +59,14 @@ import torch
 from torch import nn
 
 from rankwise.adapt import e2lora as E
-from rankwise.repro.cdka import LABELS, negation_task
+from rankwise.repro.kit import negation
 from rankwise.repro.kit.cached_encoder import (
     CachedSplit,
     FrozenPrefix,
     TopModel,
     batch_indices,
     evaluate_cached,
+    fit_probe_head,
     median_step_ms,
     peft_inject,
     trainable_adapter_params,
@@ -80,6 +88,7 @@ QUICK_TARGETS = ("query", "value")
 FULL_TARGETS = ("query", "key", "value", "attention.output.dense")
 ROWS_QUICK = ("E²LoRA", "LoRA r0 (PEFT)", "LoRA matched (PEFT)")
 ROWS_FULL = ROWS_QUICK + ("E²LoRA shifted", "ShareLoRA", "LSS only")
+HEAD_ROW = "head only (probe, frozen encoder)"  # the lower bound, reported and used by a precondition
 # (adapter lr, head lr) per row and mode, chosen by lr_sweep() on a development seed (see docs/methods/e2lora.md).
 # quick: grid {3e-4, 1e-3, 3e-3, 1e-2} + 3e-2 (several bests were at the upper edge), seed 100, quick settings
 # (q/v, 40 steps) for all six rows, 400 validation sentences. Best validation accuracy: E²LoRA 0.993 @1e-2,
@@ -100,6 +109,12 @@ LRS: dict[str, tuple[tuple[str, float, float], ...]] = {
     ),
 }
 LRS["full"] = tuple((row, 1e-3, LR_HEAD) for row, _, _ in LRS["quick"])
+# issue 14: the negation task saturates (full mode: every row at 100 %), so quick and full moved to the zoo's
+# 'kind' task. The rates above were swept on the negation task; on 'kind' no sweep has been run yet, so every row
+# trains at ONE rate per mode, fixed before the runs (quick 3e-3, the centre of the quick grid, for 60 steps;
+# full 1e-3, the full-mode sweep's choice): no row gets more tuning than another. lr_sweep() re-runs the sweep.
+LRS["negation quick"], LRS["negation full"] = LRS["quick"], LRS["full"]
+LRS["quick"] = tuple((row, 3e-3, LR_HEAD) for row, _, _ in LRS["negation quick"])
 LRS["smoke"] = LRS["quick"]
 
 
@@ -109,8 +124,17 @@ class E2LoraSettings(Settings):
 
     model: str = setting("all-MiniLM-L6-v2", "the pretrained encoder (zoo.minilm)", choices=("all-MiniLM-L6-v2",))
     targets: tuple[str, ...] = setting(QUICK_TARGETS, "adapted module names (every adapted layer)")
-    n_train: int = setting(2000, "training sentences (a multiple of 4)", lo=4)
-    n_test: int = setting(1000, "test sentences (a multiple of 4)", lo=4)
+    task: str = setting("kind", "the task: a zoo text task (rankwise.zoo.text_tasks(); 'kind', the one frozen MiniLM "
+                        "features solve least) or 'negation' (rankwise.repro.kit.negation, word lists below)")
+    n_train: int | None = setting(None, "training examples (zoo task: a cap, None = all; negation: a multiple of 4)",
+                                  lo=4)
+    n_test: int | None = setting(None, "test examples (zoo task: a cap, None = all; negation: a multiple of 4)",
+                                 lo=4)
+    neg_films: tuple[str, ...] = setting(negation.FILMS, "negation task: film subjects")
+    neg_foods: tuple[str, ...] = setting(negation.FOODS, "negation task: food subjects")
+    neg_positive: tuple[str, ...] = setting(negation.POSITIVE, "negation task: positive adjectives")
+    neg_negative: tuple[str, ...] = setting(negation.NEGATIVE, "negation task: negative adjectives")
+    neg_fillers: tuple[str, ...] = setting(negation.FILLERS, "negation task: sentence endings")
     top_layers: int = setting(6, "adapted top encoder layers, N (the layers below are cached)", lo=1, hi=6)
     steps: int = setting(40, "training steps of every row (the same batches)", lo=1)
     batch_size: int = setting(16, "sentences per step", lo=1)
@@ -123,9 +147,16 @@ class E2LoraSettings(Settings):
                                                                       "lr_sweep")
 
     def validate(self) -> None:
-        if self.n_train % 4 or self.n_test % 4:
-            raise ValueError(f"E2LoraSettings.n_train and n_test must be multiples of 4, got {self.n_train}, "
-                             f"{self.n_test}")
+        if self.task == "negation":
+            if self.n_train is None or self.n_test is None or self.n_train % 4 or self.n_test % 4:
+                raise ValueError(f"E2LoraSettings.n_train and n_test must be multiples of 4 for the negation task, "
+                                 f"got {self.n_train}, {self.n_test}")
+        else:
+            from rankwise import zoo
+
+            if self.task not in zoo.text_tasks():
+                raise ValueError(f"E2LoraSettings.task must be 'negation' or one of {zoo.text_tasks()}, "
+                                 f"got {self.task!r}")
         unknown = [r for r in self.rows if r not in ROWS_FULL]
         if unknown:
             raise ValueError(f"E2LoraSettings.rows must be among {ROWS_FULL}, got {unknown}")
@@ -138,14 +169,17 @@ class E2LoraSettings(Settings):
 
 SETTINGS: dict[str, E2LoraSettings] = {
     "smoke": E2LoraSettings(n_train=96, n_test=64, top_layers=3, steps=3, calib_batches=1, lrs=LRS["smoke"]),
-    "quick": E2LoraSettings(),
-    "full": E2LoraSettings(steps=150, targets=FULL_TARGETS, rows=ROWS_FULL, lrs=LRS["full"]),
+    # quick (issue 14): the zoo's 'kind' task (all 792 training / 318 test docstrings, 24 tokens) instead of the
+    # saturating negation task; one seed at 60 steps (the cost of the former two seeds at 40 steps of 16 tokens)
+    "quick": E2LoraSettings(max_length=24, steps=60, seeds=(0,), lrs=LRS["quick"]),
+    "full": E2LoraSettings(max_length=24, steps=150, targets=FULL_TARGETS, rows=ROWS_FULL, lrs=LRS["full"]),
 }
 RATIO_MAX = 0.67        # (a) P(E²LoRA) / P(LoRA r0) <= 0.67
 SLACK_LORA = -0.015     # (c) acc(E²LoRA) - acc(LoRA r0) >= -1.5 points
 SLACK_MATCHED = -0.005  # (c) acc(E²LoRA) - acc(LoRA matched) >= -0.5 point
-SATURATED = 0.999       # precondition: not every row at >= 99.9 % test accuracy
-MIN_ABOVE_CHANCE = 0.10  # precondition: LoRA r0's accuracy - chance (1/4) > 0.10
+SATURATED = 0.99        # precondition: not every row at >= 99 % test accuracy (within one point of 100 %, the
+#                         issue-14 definition; it was 0.999, which let rows at 99.5 % count as not saturated)
+MIN_ABOVE_CHANCE = 0.10  # precondition: LoRA r0's accuracy - chance (1 / labels) > 0.10
 
 
 def _calibration_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
@@ -202,13 +236,33 @@ def _build_models(base: TopModel, calib: list[Batch], S: E2LoraSettings, seed: i
     return {r: models[r] for r in order}, {"plans": plans, "p_lora": p_lora, "r_match": r_match}
 
 
+def task_labels(S: E2LoraSettings) -> list[str]:
+    """The label names of the settings' task."""
+    if S.task == "negation":
+        return list(negation.LABELS)
+    from rankwise.zoo.tasks import text_task_labels
+
+    return text_task_labels(S.task)
+
+
+def task_data(S: E2LoraSettings, seed: int) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
+    """``(train, test)`` of the settings' task for ``seed`` (a zoo task's test set does not depend on it)."""
+    if S.task == "negation":
+        return negation.negation_task(seed, S.n_train, S.n_test, films=S.neg_films, foods=S.neg_foods,
+                                      positive=S.neg_positive, negative=S.neg_negative, fillers=S.neg_fillers)
+    from rankwise import zoo
+
+    t = zoo.text_task(S.task, seed=seed, max_train=S.n_train, max_test=S.n_test)
+    return t.train, t.test
+
+
 def _setup(seed: int, S: E2LoraSettings, bert: nn.Module, tok: Any, train: Sequence[tuple[str, int]]
            ) -> tuple[TopModel, FrozenPrefix, list[Batch], list[Batch]]:
     prefix = FrozenPrefix(bert, tok, len(bert.encoder.layer) - S.top_layers, S.max_length)
     idx_train = batch_indices(len(train), S.steps, S.batch_size, seed)
     idx_calib = batch_indices(len(train), S.calib_batches, S.batch_size, 10_000 + seed)
     split = CachedSplit(prefix, train, [idx_train, idx_calib])
-    base = TopModel(bert, S.top_layers, len(LABELS), seed)
+    base = TopModel(bert, S.top_layers, len(task_labels(S)), seed)
     return base, prefix, split.batches(idx_train), split.batches(idx_calib)
 
 
@@ -233,7 +287,7 @@ def _measure(seed: int, S: E2LoraSettings, bert: nn.Module, tok: Any) -> dict[st
     """One seed: the seed's table fragment, plan summary and per-example correctness (paired intervals)."""
     table = Table(columns=list(COLUMNS), notes=dict(COLUMN_NOTES))
     lrs = {row: (a, h) for row, a, h in S.lrs}
-    train, test = negation_task(seed, S.n_train, S.n_test)
+    train, test = task_data(S, seed)
     base, prefix, batches, calib = _setup(seed, S, bert, tok, train)
     test_split = CachedSplit(prefix, test, keep_all=True)
     models, info = _build_models(base, calib, S, seed, S.rows)
@@ -249,11 +303,20 @@ def _measure(seed: int, S: E2LoraSettings, bert: nn.Module, tok: Any) -> dict[st
         table.add(row, "params / LoRA r0", p / p_lora)
         table.add(row, "final train loss", statistics.fmean(trainers[row].losses[-max(1, len(batches) // 5):]))
         table.add(row, "median step (ms)", median_step_ms(trainers[row]))
+    # the lower bound (issue 14): a linear probe on the frozen encoder (the head fitted alone, then evaluated)
+    probe = copy.deepcopy(base)
+    tr_all = CachedSplit(prefix, train, keep_all=True)
+    fit_probe_head(probe, tr_all.hidden, tr_all.mask, tr_all.labels)
+    acc_probe, logits = evaluate_cached(probe, test_split.hidden, test_split.mask, test_split.labels)
+    correct[HEAD_ROW] = (logits.argmax(-1) == test_split.labels).double().tolist()
+    table.add(HEAD_ROW, "test accuracy", acc_probe)
+    table.add(HEAD_ROW, "trainable adapter params", 0)
+    table.add(HEAD_ROW, "params / LoRA r0", 0.0)
     plan = info["plans"]["E²LoRA"]
     rec = {
         "plan": _plan_summary(plan), "plan_params": plan.num_parameters(),
         "measured_params": trainable_adapter_params(models["E²LoRA"]), "lora_params": p_lora,
-        "r_match": info["r_match"],
+        "r_match": info["r_match"], "labels": len(task_labels(S)), "n_train": len(train), "n_test": len(test),
         "other_plans": {r: {k.split(".")[-1]: {"intervals": t.intervals, "ranks": t.ranks}
                             for k, t in pl.types.items()} for r, pl in info["plans"].items() if r != "E²LoRA"},
         "losses": {row: t.losses for row, t in trainers.items()}}
@@ -271,7 +334,7 @@ def lr_sweep(grid: Sequence[float] = (3e-4, 1e-3, 3e-3, 1e-2), seed: int = 100, 
 
     S = dataclasses.replace(settings if settings is not None else SETTINGS[mode], rows=tuple(rows))
     bert, tok = zoo.minilm()
-    pool, _ = negation_task(seed, S.n_train, S.n_test)
+    pool, _ = task_data(S, seed)
     train, val = pool[: len(pool) - n_val], pool[len(pool) - n_val:]
     base, prefix, batches, calib = _setup(seed, S, bert, tok, train)
     va = CachedSplit(prefix, val, keep_all=True)
@@ -297,15 +360,19 @@ class E2LoraReproduction(MiniLMReproduction):
 
     def table(self, settings: E2LoraSettings, records: Records[dict]) -> Table:
         table = super().table(settings, records)
-        self._acc = {r: table.mean(r, "test accuracy") for r in table.rows}
+        self._acc = {r: table.mean(r, "test accuracy") for r in table.rows if r != HEAD_ROW}
+        self._probe = table.mean(HEAD_ROW, "test accuracy")
         return table
 
     def preconditions(self, settings: E2LoraSettings, records: Records[dict]) -> list[Precondition]:
         return [
             Precondition("the task does not saturate: min over rows of mean test accuracy", min(self._acc.values()),
                          "<", SATURATED),
-            Precondition("LoRA r0 (PEFT) learned: mean test accuracy - chance (1/4)",
-                         self._acc["LoRA r0 (PEFT)"] - 1.0 / len(LABELS), ">", MIN_ABOVE_CHANCE),
+            Precondition(f"LoRA r0 (PEFT) learned: mean test accuracy - chance (1/{records.first['info']['labels']})",
+                         self._acc["LoRA r0 (PEFT)"] - 1.0 / records.first["info"]["labels"], ">", MIN_ABOVE_CHANCE),
+            Precondition("the adapters matter: LoRA r0's mean test accuracy - a linear probe's on the frozen encoder "
+                         "(else (c) compares rows that the head alone explains)", self._acc["LoRA r0 (PEFT)"] -
+                         self._probe, ">", 0.0),
         ]
 
     def checks(self, settings: E2LoraSettings, records: Records[dict]) -> list[ClaimCheck]:
@@ -350,7 +417,9 @@ class E2LoraReproduction(MiniLMReproduction):
             "negative the paper's literal HRA gives slightly more rank to lower-entropy intervals; 'E²LoRA shifted' "
             "(full mode) is the monotone reading. (a) holds by construction once the plan has fewer intervals than "
             "layers (the ratio is K/N for uniform ranks); (b) is a property of the pretrained gradients; (c) depends "
-            "on tens of training steps on a small synthetic task and is qualitative at this scale. E²X plug-ins on "
+            f"on tens of training steps on a small task ('{S.task}', {first['n_train']} training / {first['n_test']} "
+            f"test examples, {S.max_length} tokens; a linear probe on the frozen encoder reaches {self._probe:.3f}) and "
+            "is qualitative at this scale; its paired intervals decide. E²X plug-ins on "
             "DoRA/VeRA/LoRI, full fine-tuning and the KL/L1/L2 similarity ablations of the paper are not run.")
         if min(self._acc.values()) >= SATURATED:
             notes += (" Every row reached 100 % test accuracy: the task saturates at this budget, so the accuracy "

@@ -28,6 +28,13 @@ Settings (:class:`MtLoRASettings`, ``SETTINGS[mode]``; ``rankwise reproduce mtlo
 and its adapted top blocks, the task sets, the data sizes, the training budget, the adapters' shapes and
 the rows.
 
+Issue 14 (the review found the quick gap mtLoRA - HydraLoRA of -3.4 points inside a seed spread of the same
+size, with a head trained jointly by every row): the head is now fitted first as a linear probe on the frozen
+encoder and then *fixed* for every row (``head="probe"``; ``head="trained"`` restores the old protocol), so the
+rows differ only in their adapters, and the probe is reported as the head-only row; quick mode runs one seed
+at twice the steps. Two preconditions join the chance floor: the adapters matter (HydraLoRA above the probe)
+and the tasks do not saturate (best row below 0.99).
+
 Check kinds: the zero-at-initialisation check is ``wiring`` (an identity only a bug breaks); the
 parameter relation and the accuracy comparisons are ``claim`` checks. The accuracy comparisons at one T
 carry paired per-example samples: each test example's correctness difference (mtLoRA - HydraLoRA) weighted
@@ -51,7 +58,8 @@ import torch
 from torch import nn
 
 from rankwise.adapt import mtlora
-from rankwise.repro.kit.cached_encoder import CachedSplit, FrozenPrefix, TopModel, trim_padding as _trim, peft_inject
+from rankwise.repro.kit.cached_encoder import (CachedSplit, FrozenPrefix, TopModel, fit_probe_head, peft_inject,
+                                               trim_padding as _trim)
 from rankwise.repro.result import ClaimCheck, Precondition, Table
 from rankwise.repro.skeleton import Records, Reproduction, Settings, pyplot, save_figure, setting
 
@@ -90,6 +98,12 @@ class MtLoRASettings(Settings):
                                  lo=0)
     rows: tuple[str, ...] = setting(("HydraLoRA (q,v)", "mtLoRA"), "rows run (HydraLoRA and mtLoRA are required by "
                                     "the checks)")
+    head: str = setting("probe", "probe: the head is fitted first as a linear probe on the frozen encoder and then "
+                        "fixed for every row, so accuracy differences come from the adapters (and the probe is the "
+                        "head-only row); trained: every row trains its own head with its adapters",
+                        choices=("probe", "trained"))
+    probe_steps: int = setting(300, "full-batch Adam steps of the probe head (head=probe)", lo=1)
+    probe_lr: float = setting(1e-2, "learning rate of the probe head (head=probe)", lo=0.0)
 
     def validate(self) -> None:
         bad = [r for r in self.rows if r not in ROW_NAMES]
@@ -108,12 +122,16 @@ SETTINGS: dict[str, MtLoRASettings] = {
     # quick (time): the rows of its checks only (HydraLoRA, mtLoRA; the PEFT LoRA row runs in smoke and full), the
     # zero-at-init check (an exact identity) on 64 test examples of the first seed. 2 epochs, not the spec's 1:
     # after one epoch (20 steps) mtLoRA's block adapters are far from trained (mean accuracy 0.18 vs 0.24).
-    "quick": MtLoRASettings(),
+    # issue 14: one seed at twice the steps (4 epochs = 76 steps; the same cost as two seeds of 38), the head fixed
+    # to a probe fitted on the frozen encoder, so that the adapters carry the accuracy and (d) compares them
+    "quick": MtLoRASettings(epochs=4, seeds=(0,)),
     # full: the zero-at-init check (a wiring property, checked by quick and smoke) is not repeated: evaluating
     # every row before training cost ~12 % of the run
     "full": MtLoRASettings(task_sets=(T5, ALL_TASKS), spectral_every=20, init_examples=0, rows=ROW_NAMES),
 }
 ACC_SLACK_QUICK = -0.02   # quick: mtLoRA >= HydraLoRA - 2 points
+SATURATED = 0.99          # precondition: the best row's mean accuracy below 0.99 (not within a point of 100 %)
+HEAD_ROW = "head only (probe, frozen encoder)"
 ACC_MARGIN_FULL = 0.01    # full: mtLoRA >= HydraLoRA + 1 point at the largest T
 PARAM_RATIO = 0.70        # mtLoRA trainable parameters <= 70 % of HydraLoRA's
 
@@ -277,8 +295,7 @@ def _build(base: TopModel, S: MtLoRASettings, seed: int) -> tuple[dict[str, nn.M
     import peft
 
     def head_on(m: nn.Module) -> nn.Module:
-        for p in m.classifier.parameters():
-            p.requires_grad_(True)
+        m.classifier.requires_grad_(S.head == "trained")  # a probe head stays fixed
         return m
 
     def reg(model: nn.Module, step: int, _mask: torch.Tensor) -> torch.Tensor:
@@ -289,8 +306,8 @@ def _build(base: TopModel, S: MtLoRASettings, seed: int) -> tuple[dict[str, nn.M
     for row in S.rows:
         m = copy.deepcopy(base)
         if row == "LoRA (PEFT)":
-            models[row] = peft_inject(m, peft.LoraConfig(r=S.rank, lora_alpha=S.alpha, lora_dropout=0.05,
-                                                         target_modules=["query", "value"]))
+            models[row] = head_on(peft_inject(m, peft.LoraConfig(r=S.rank, lora_alpha=S.alpha, lora_dropout=0.05,
+                                                                 target_modules=["query", "value"])))
             continue
         if row == "HydraLoRA (q,v)":
             cfg = mtlora.hydralora_config(rank=S.rank, alpha=S.alpha, num_experts=S.experts, seed=seed)
@@ -312,6 +329,8 @@ def _run_tasks(tasks: Sequence[str], seed: int, S: MtLoRASettings, bert: nn.Modu
     split = CachedSplit(prefix, train, [idx])
     test_split = CachedSplit(prefix, test, keep_all=True)
     base = TopModel(bert, S.top_layers, offsets[-1], seed)
+    probe = (fit_probe_head(base, split.hidden, split.mask, split.labels, steps=S.probe_steps, lr=S.probe_lr)
+             if S.head == "probe" else None)
     models, regs = _build(base, S, seed)
     init_gap = None
     if init_examples:
@@ -333,6 +352,12 @@ def _run_tasks(tasks: Sequence[str], seed: int, S: MtLoRASettings, bert: nn.Modu
                           "final_loss": statistics.fmean(log[n]["loss"][-max(1, len(idx) // 5):]),
                           "loss": log[n]["loss"],
                           "hits": (logits.argmax(-1) == test_split.labels).double().tolist()}
+    if probe is not None:  # the fixed head on the frozen encoder: what every row starts from
+        logits = logits_on(base, test_split)
+        acc = per_task_accuracy(logits, test_split.labels, te_task, len(tasks))
+        out["rows"][HEAD_ROW] = {"per_task": acc, "mean_acc": statistics.fmean(acc), "params": 0,
+                                 "probe_train_acc": probe["train_acc"],
+                                 "hits": (logits.argmax(-1) == test_split.labels).double().tolist()}
     return out
 
 
@@ -375,7 +400,8 @@ class MtLoRAReproduction(Reproduction[MtLoRASettings, dict]):
                     table.add(r, f"mean acc T={T}", v["mean_acc"])
             for r, v in res[str(Ts[-1])]["rows"].items():
                 table.add(r, "trainable params", v["params"])
-                table.add(r, "ms / step", v["ms_per_step"])
+                if "ms_per_step" in v:
+                    table.add(r, "ms / step", v["ms_per_step"])
         self._table = table
         return table
 
@@ -383,9 +409,18 @@ class MtLoRAReproduction(Reproduction[MtLoRASettings, dict]):
         T_hi = len(S.task_sets[-1])
         first = records.first[str(T_hi)]
         chance = statistics.fmean(1.0 / k for k in first["labels"])
-        return [Precondition(f"the compared baseline learned: HydraLoRA's mean accuracy at T={T_hi} - chance (mean "
-                             f"over tasks of 1 / labels = {chance:.3f})",
-                             self._table.mean("HydraLoRA (q,v)", f"mean acc T={T_hi}") - chance, ">", 0.0)]
+        col = f"mean acc T={T_hi}"
+        hydra = self._table.mean("HydraLoRA (q,v)", col)
+        pre = [Precondition(f"the compared baseline learned: HydraLoRA's mean accuracy at T={T_hi} - chance (mean "
+                            f"over tasks of 1 / labels = {chance:.3f})", hydra - chance, ">", 0.0)]
+        if HEAD_ROW in first["rows"]:
+            pre.append(Precondition(f"the adapters matter: HydraLoRA's mean accuracy at T={T_hi} - the fixed probe "
+                                    "head's on the frozen encoder (else the comparison is between two ways of "
+                                    "leaving the encoder as it was)", hydra - self._table.mean(HEAD_ROW, col), ">",
+                                    0.0))
+        pre.append(Precondition(f"the tasks do not saturate: the best row's mean accuracy at T={T_hi}",
+                                max(self._table.mean(r, col) for r in S.rows), "<", SATURATED))
+        return pre
 
     def checks(self, S: MtLoRASettings, records: Records[dict]) -> list[ClaimCheck]:
         table = self._table
@@ -453,7 +488,13 @@ class MtLoRAReproduction(Reproduction[MtLoRASettings, dict]):
             "parameters vs HydraLoRA's 2 (d r + E r d + E d) = 33,792 on query+value. The ablation rows isolate each "
             "piece (block+spectral vs block only: the spectral term; block+FGR vs block only: fine-grained routing); "
             "the spectral penalty is quartic in B_i, so early in training (small B_i) its gradient is small next to "
-            "the task's (docs/methods/mtlora.md reports a measurement).")
+            "the task's (docs/methods/mtlora.md reports a measurement). " + (
+                f"Head: fitted once as a linear probe on the frozen encoder ({S.probe_steps} full-batch Adam steps, "
+                f"lr {S.probe_lr}) and then fixed for every row, so the rows differ only in their adapters; the probe "
+                f"alone reaches {self._table.mean(HEAD_ROW, f'mean acc T={Ts[-1]}'):.3f} mean accuracy (row "
+                f"'{HEAD_ROW}')." if S.head == "probe" else "Head: trained with the adapters in every row.") + (
+                " Quick mode runs one seed at twice the steps (the cost of two seeds), so its interval is over the "
+                "test examples only." if len(records.seeds) == 1 else ""))
 
     def config(self, S: MtLoRASettings, records: Records[dict]) -> dict[str, Any]:
         return {"dropout": 0.05, "balance_alpha": 0.01}

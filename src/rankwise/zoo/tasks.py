@@ -34,7 +34,8 @@ from rankwise.core.errors import RankwiseError
 from rankwise.core.validate import check_int
 from rankwise.zoo.docstrings import Document, corpus
 
-__all__ = ["MAX_CHARS", "TASKS", "TextTask", "UnknownTaskError", "snippet", "text_task", "text_tasks"]
+__all__ = ["MAX_CHARS", "TASKS", "TextTask", "UnknownTaskError", "snippet", "text_task", "text_task_labels",
+           "text_tasks"]
 
 #: Longest example text, in characters.
 MAX_CHARS = 240
@@ -171,6 +172,13 @@ TASKS: dict[str, _Spec] = {
 def text_tasks() -> list[str]:
     """The names of the text classification tasks, in a fixed order."""
     return list(TASKS)
+
+
+def text_task_labels(name: str) -> list[str]:
+    """The label names of the text task ``name`` without building it (to size a model's head, or to pick
+    a task by its number of classes). Raises :class:`UnknownTaskError` for an unknown ``name``."""
+    _check_name(name, text_tasks(), "text task")
+    return list(TASKS[name].labels)
 
 
 def _check_name(name: str, known: list[str], what: str) -> None:

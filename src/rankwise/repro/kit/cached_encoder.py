@@ -164,6 +164,32 @@ def pooled_cached(model: nn.Module, hidden: torch.Tensor, mask: torch.Tensor, ch
         inner.train(was)
 
 
+def fit_probe_head(model: nn.Module, hidden: torch.Tensor, mask: torch.Tensor, labels: torch.Tensor, *,
+                   steps: int = 300, lr: float = 1e-2) -> dict[str, float]:
+    """Fit ``model.classifier`` as a linear probe on the frozen model's pooled features, then freeze it.
+
+    The features (:func:`pooled_cached`, eval mode) are computed once; the head trains full-batch with Adam
+    for ``steps`` steps (deterministic: no sampling). Afterwards the head's parameters have
+    ``requires_grad=False``, so every copy of ``model`` that is then adapted starts from, and keeps, the same
+    head: the accuracy an adapter adds comes from the adapted layers (the probe is the head-only baseline).
+    Returns the probe's final training loss and accuracy.
+    """
+    feats = pooled_cached(model, hidden, mask)
+    head = model.classifier
+    head.requires_grad_(True)
+    opt = torch.optim.Adam(head.parameters(), lr=lr)
+    loss = torch.zeros(())
+    for _ in range(steps):
+        loss = nn.functional.cross_entropy(head(feats), labels)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    head.requires_grad_(False)
+    with torch.no_grad():
+        acc = float((head(feats).argmax(-1) == labels).double().mean())
+    return {"loss": float(loss.detach()), "train_acc": acc}
+
+
 def adapter_optimizer(head: nn.Module, lr_adapter: float, lr_head: float, weight_decay: float = 0.0
                       ) -> Callable[[list[nn.Parameter]], torch.optim.Optimizer]:
     """AdamW factory with two groups: the head's parameters at ``lr_head``, the rest at ``lr_adapter``."""
