@@ -153,7 +153,9 @@ class CdkaSettings(Settings):
 
 SETTINGS: dict[str, CdkaSettings] = {
     "smoke": CdkaSettings(n_train=96, n_test=64, top_layers=1, steps=3, calib_batches=1, rows=None),
-    "quick": CdkaSettings(),
+    # one seed, as the spec's quick mode ("1 seed; 60 steps"); the accuracy claims' intervals come from the 1 000
+    # test sentences
+    "quick": CdkaSettings(seeds=(0,)),
     "full": CdkaSettings(top_layers=6, steps=150, rows=None),
 }
 TIE_TOL = 1e-9            # alignment scores within this are a floating-point tie (cdka.TIE_RTOL)

@@ -168,7 +168,9 @@ class PsoftSettings(Settings):
 SETTINGS: dict[str, PsoftSettings] = {
     "smoke": PsoftSettings(n_train=96, n_test=64, n_probe=32, n_match=32, top_layers=1, steps=3, rows=None,
                            match_every=1),
-    "quick": PsoftSettings(),  # LoRA, PiSSA, OFT + both PSOFTs
+    # LoRA, PiSSA, OFT + both PSOFTs; one seed, as the spec's quick mode (the claims' intervals come from the 1 000
+    # test and 300 probe sentences)
+    "quick": PsoftSettings(seeds=(0,)),
     "full": PsoftSettings(top_layers=6, steps=150, rows=None),
 }
 ACC_SLACK = -0.005       # (a) PSOFT >= LoRA - 0.5 pt and >= OFT - 0.5 pt
