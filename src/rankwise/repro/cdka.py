@@ -11,26 +11,29 @@ Adapters go on ``query``, ``key``, ``value`` and ``attention.output.dense`` of t
 model is trained with the shared loop (:class:`rankwise.train.finetune.Trainer`, AdamW, linear
 schedule with 6 % warm-up, gradient clipping 1.0), all methods in lock step on the same batches.
 
-Rows, all at the same per-matrix trainable budget as rank-4 LoRA (``4 (384 + 384) = 3 072``, +-10 %;
-head excluded, exact counts in the table):
+Rows, all at the same per-matrix trainable budget as the LoRA baseline (rank ``lora_rank`` = 4 by default:
+``4 (384 + 384) = 3 072``, +-10 %; head excluded, exact counts in the table):
 
 * **LoRA (PEFT)**: ``peft.LoraConfig(r=4, lora_alpha=64, use_rslora=True)`` (the CDKA paper's scaling);
 * **LoKr (PEFT)**: ``peft.LoKrConfig`` with the ``(decompose_factor, r)`` inside the budget window whose
   own structure (``W1 ⊗ W2``, ``W2`` of rank ``r``) is best aligned with the fine-tuning gradient
   (the same selection effort as CDKA's), alpha so that its scale equals LoRA's;
 * **CDKA-aligned**: ``CDKAConfig(budget=3072)`` (shapes per layer by alignment, gradient init);
-* **CDKA-fixed**: ``r1 = r2 = 4`` and ``r = 4`` (3 072 parameters), gradient init;
-* **LoRA-GA (CDKA r1=r2=1)**: rank-4 LoRA with CDKA's gradient initialisation;
+* **CDKA-fixed (4,4,r)**: ``r1 = r2 = 4`` and the ``r`` closest to the budget (4 at 3 072), gradient init;
+* **LoRA-GA (CDKA 1,1,r)**: LoRA of rank ``lora_rank`` with CDKA's gradient initialisation;
 * **head only**: the frozen encoder with a trained head (how much adaptation matters).
 
-Quick mode trains the first four rows (the ones the claims compare); full mode all six. Learning
+Quick mode trains the first four rows (the ones the claims compare) on one seed (the spec's quick mode);
+full mode all six on seeds 0, 1, 2. Learning
 rates: every row gets its best rate from the same grid, chosen once by :func:`lr_sweep` on a
 development seed with a validation split (``CdkaSettings.lrs``); the head trains at 1e-3 in every adapter row.
 
 What runs is :class:`CdkaSettings` (``SETTINGS[mode]``; ``rankwise reproduce cdka --set top_layers=1``): the
-model, the targets (square ``d x d`` Linears: LoKr's candidate shapes assume square matrices), the data
-sizes, steps, calibration batches, the rows, alpha, the per-matrix budget (``None``: rank-4 LoRA's count on
-the targets, ``4 (d_in + d_out)``) and its tolerance, and the learning rates.
+model, the targets (Linears of one shape), ``square_only`` (the spec's square attention matrices; false
+allows one non-square shape, LoKr's factor shapes then come from PEFT's factorisation of each side), the
+LoRA baseline's rank ``lora_rank`` and the budget formula (``budget`` if set, else ``lora_rank (d_in +
+d_out)``; a set budget must be within ``budget_tolerance`` of LoRA's count), the data sizes, steps,
+calibration batches, the rows, alpha and the learning rates. Bad combinations stop with one-line errors.
 
 Checks (spec "THE CLAIM"): (a) for every adapted layer align(CDKA-aligned) >= align(LoRA) at the same
 budget (exact: LoRA's shape is a candidate; a floating-point tie tolerance of 1e-9 applies; a ``wiring``
@@ -40,8 +43,11 @@ point (``claim`` checks with the paired per-example differences of correctness o
 they carry a bootstrap interval; a claim whose interval contains its threshold is ``inconclusive``). (b)
 is expected to hold only qualitatively here.
 
-Preconditions (added with the conversion to the skeleton; they can only move the verdict to
-``inconclusive``): the task does not saturate (not every compared row within a point of 100 % test
+Preconditions (they can only move the verdict to ``inconclusive``): CDKA-aligned chose a Kronecker shape
+(``r1 r2 > 1``) on at least one layer (issue 14: otherwise it is LoRA with gradient initialisation and the
+component design is never exercised; on this task the gradient is dominated by a few outer products and
+LoRA's shape has the largest alignment at every budget from rank-1 to rank-16 LoRA's count, see
+docs/methods/cdka.md); the task does not saturate (not every compared row within a point of 100 % test
 accuracy, :data:`SATURATED`, the design's definition) and both compared baselines learned (test accuracy
 above chance 1/4 by more than :data:`MIN_ABOVE_CHANCE` = 0.10, the floor the LoRA reproduction uses).
 
