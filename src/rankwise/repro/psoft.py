@@ -145,9 +145,9 @@ class PsoftSettings(Settings):
     lrs: tuple[tuple[str, float, float], ...] = setting(LRS, "(row, adapter lr, head lr) per row (the spec's "
                                                              "rates; see LRS)")
     orth_every: int = setting(10, "steps between orthogonality-error measurements", lo=1)
-    match_every: int = setting(5, "steps between the checkpoints of claim (b)'s matched-loss comparison (loss on "
+    match_every: int = setting(10, "steps between the checkpoints of claim (b)'s matched-loss comparison (loss on "
                                   "the match set and probe cosines of PSOFT, LoRA and PiSSA)", lo=1)
-    n_match: int = setting(256, "training sentences whose mean loss is the matched quantity of claim (b)", lo=1)
+    n_match: int = setting(128, "training sentences whose mean loss is the matched quantity of claim (b)", lo=1)
 
     def validate(self) -> None:
         if self.n_train % 4 or self.n_test % 4:
