@@ -11,26 +11,29 @@ Adapters go on ``query``, ``key``, ``value`` and ``attention.output.dense`` of t
 model is trained with the shared loop (:class:`rankwise.train.finetune.Trainer`, AdamW, linear
 schedule with 6 % warm-up, gradient clipping 1.0), all methods in lock step on the same batches.
 
-Rows, all at the same per-matrix trainable budget as rank-4 LoRA (``4 (384 + 384) = 3 072``, +-10 %;
-head excluded, exact counts in the table):
+Rows, all at the same per-matrix trainable budget as the LoRA baseline (rank ``lora_rank`` = 4 by default:
+``4 (384 + 384) = 3 072``, +-10 %; head excluded, exact counts in the table):
 
 * **LoRA (PEFT)**: ``peft.LoraConfig(r=4, lora_alpha=64, use_rslora=True)`` (the CDKA paper's scaling);
 * **LoKr (PEFT)**: ``peft.LoKrConfig`` with the ``(decompose_factor, r)`` inside the budget window whose
   own structure (``W1 ⊗ W2``, ``W2`` of rank ``r``) is best aligned with the fine-tuning gradient
   (the same selection effort as CDKA's), alpha so that its scale equals LoRA's;
 * **CDKA-aligned**: ``CDKAConfig(budget=3072)`` (shapes per layer by alignment, gradient init);
-* **CDKA-fixed**: ``r1 = r2 = 4`` and ``r = 4`` (3 072 parameters), gradient init;
-* **LoRA-GA (CDKA r1=r2=1)**: rank-4 LoRA with CDKA's gradient initialisation;
+* **CDKA-fixed (4,4,r)**: ``r1 = r2 = 4`` and the ``r`` closest to the budget (4 at 3 072), gradient init;
+* **LoRA-GA (CDKA 1,1,r)**: LoRA of rank ``lora_rank`` with CDKA's gradient initialisation;
 * **head only**: the frozen encoder with a trained head (how much adaptation matters).
 
-Quick mode trains the first four rows (the ones the claims compare); full mode all six. Learning
+Quick mode trains the first four rows (the ones the claims compare) on one seed (the spec's quick mode);
+full mode all six on seeds 0, 1, 2. Learning
 rates: every row gets its best rate from the same grid, chosen once by :func:`lr_sweep` on a
 development seed with a validation split (``CdkaSettings.lrs``); the head trains at 1e-3 in every adapter row.
 
 What runs is :class:`CdkaSettings` (``SETTINGS[mode]``; ``rankwise reproduce cdka --set top_layers=1``): the
-model, the targets (square ``d x d`` Linears: LoKr's candidate shapes assume square matrices), the data
-sizes, steps, calibration batches, the rows, alpha, the per-matrix budget (``None``: rank-4 LoRA's count on
-the targets, ``4 (d_in + d_out)``) and its tolerance, and the learning rates.
+model, the targets (Linears of one shape), ``square_only`` (the spec's square attention matrices; false
+allows one non-square shape, LoKr's factor shapes then come from PEFT's factorisation of each side), the
+LoRA baseline's rank ``lora_rank`` and the budget formula (``budget`` if set, else ``lora_rank (d_in +
+d_out)``; a set budget must be within ``budget_tolerance`` of LoRA's count), the data sizes, steps,
+calibration batches, the rows, alpha and the learning rates. Bad combinations stop with one-line errors.
 
 Checks (spec "THE CLAIM"): (a) for every adapted layer align(CDKA-aligned) >= align(LoRA) at the same
 budget (exact: LoRA's shape is a candidate; a floating-point tie tolerance of 1e-9 applies; a ``wiring``
@@ -40,8 +43,11 @@ point (``claim`` checks with the paired per-example differences of correctness o
 they carry a bootstrap interval; a claim whose interval contains its threshold is ``inconclusive``). (b)
 is expected to hold only qualitatively here.
 
-Preconditions (added with the conversion to the skeleton; they can only move the verdict to
-``inconclusive``): the task does not saturate (not every compared row within a point of 100 % test
+Preconditions (they can only move the verdict to ``inconclusive``): CDKA-aligned chose a Kronecker shape
+(``r1 r2 > 1``) on at least one layer (issue 14: otherwise it is LoRA with gradient initialisation and the
+component design is never exercised; on this task the gradient is dominated by a few outer products and
+LoRA's shape has the largest alignment at every budget from rank-1 to rank-16 LoRA's count, see
+docs/methods/cdka.md); the task does not saturate (not every compared row within a point of 100 % test
 accuracy, :data:`SATURATED`, the design's definition) and both compared baselines learned (test accuracy
 above chance 1/4 by more than :data:`MIN_ABOVE_CHANCE` = 0.10, the floor the LoRA reproduction uses).
 
@@ -87,10 +93,11 @@ CLAIM = ("Designing the Kronecker components (shapes r1, r2 and count r chosen p
          "full fine-tuning better than LoRA and LoKr at the same budget and fine-tune at least as well.")
 
 TARGETS = ("query", "key", "value", "attention.output.dense")
-LORA_RANK = 4   # the baseline LoRA's rank; it names the rows and sets the default budget
+LORA_RANK = 4   # the baseline LoRA's rank by default (CdkaSettings.lora_rank); the budget formula's k
 ALPHA = 64.0  # the official CDKA config: lora_alpha 64 with rsLoRA scaling
 LR_HEAD = 1e-3
-ROWS = ("LoRA (PEFT)", "LoKr (PEFT)", "CDKA-aligned", "CDKA-fixed (4,4,4)", "LoRA-GA (CDKA 1,1,4)", "head only")
+FIXED, LORA_GA = "CDKA-fixed (4,4,r)", "LoRA-GA (CDKA 1,1,r)"
+ROWS = ("LoRA (PEFT)", "LoKr (PEFT)", "CDKA-aligned", FIXED, LORA_GA, "head only")
 # (adapter lr, head lr) per row, chosen by lr_sweep() on a development seed (see docs/methods/cdka.md).
 # quick: grid {1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2}, seed 100, quick settings, 400 validation sentences; best
 # validation accuracy: LoRA 0.945 @1e-3, LoKr 1.000 @1e-2, CDKA-aligned 0.968 @3e-3, CDKA-fixed 1.000 @3e-3,
@@ -100,8 +107,8 @@ LRS: tuple[tuple[str, float, float], ...] = (
     ("LoRA (PEFT)", 1e-3, LR_HEAD),
     ("LoKr (PEFT)", 1e-2, LR_HEAD),
     ("CDKA-aligned", 3e-3, LR_HEAD),
-    ("CDKA-fixed (4,4,4)", 3e-3, LR_HEAD),
-    ("LoRA-GA (CDKA 1,1,4)", 3e-3, LR_HEAD),
+    (FIXED, 3e-3, LR_HEAD),
+    (LORA_GA, 3e-3, LR_HEAD),
     ("head only", 3e-2, 3e-2),
 )
 
@@ -111,7 +118,11 @@ class CdkaSettings(Settings):
     """What the CDKA reproduction runs; ``SETTINGS[mode]`` holds each mode's values."""
 
     model: str = setting("all-MiniLM-L6-v2", "the pretrained encoder (zoo.minilm)", choices=("all-MiniLM-L6-v2",))
-    targets: tuple[str, ...] = setting(TARGETS, "adapted module names (square d x d Linears) of the top layers")
+    targets: tuple[str, ...] = setting(TARGETS, "adapted module names of the top layers (Linears of one shape; "
+                                                "square unless square_only is false)")
+    square_only: bool = setting(True, "refuse targets that are not square d x d Linears (the spec's four attention "
+                                      "matrices); false allows one non-square shape, e.g. intermediate.dense, with "
+                                      "LoKr's factor shapes from PEFT's factorization of each side")
     n_train: int = setting(2000, "training sentences (a multiple of 4)", lo=4)
     n_test: int = setting(1000, "test sentences (a multiple of 4)", lo=4)
     top_layers: int = setting(2, "adapted top encoder layers (the layers below are cached)", lo=1, hi=6)
@@ -121,9 +132,12 @@ class CdkaSettings(Settings):
     max_length: int = setting(16, "tokens per sentence", lo=1)
     rows: tuple[str, ...] | None = setting(ROWS[:4], "rows trained (None: all; CDKA-aligned always)")
     alpha: float = setting(ALPHA, "alpha of every adapter (rsLoRA scaling alpha / sqrt(r))", lo=0.0)
-    budget: int | None = setting(None, "adapter parameters per matrix (None: rank-4 LoRA's, 4 (d_in + d_out))",
+    lora_rank: int = setting(LORA_RANK, "rank of the LoRA baseline (and of LoRA-GA); the budget formula's k", lo=1)
+    budget: int | None = setting(None, "adapter parameters per matrix (None: the budget formula, LoRA's count "
+                                       "lora_rank (d_in + d_out)); must be within budget_tolerance of LoRA's count",
                                  lo=1)
-    budget_tolerance: float = setting(0.10, "relative window around the budget for LoKr's candidates", lo=0.0)
+    budget_tolerance: float = setting(0.10, "relative window around the budget for CDKA's and LoKr's candidates",
+                                      lo=0.0, hi=0.99)
     lrs: tuple[tuple[str, float, float], ...] = setting(LRS, "(row, adapter lr, head lr) per row, by lr_sweep")
 
     def validate(self) -> None:
@@ -136,6 +150,8 @@ class CdkaSettings(Settings):
         if self.rows is not None and not {"LoRA (PEFT)", "LoKr (PEFT)"} <= set(self.rows):
             raise ValueError(f"CdkaSettings.rows must include the compared baselines LoRA (PEFT) and LoKr (PEFT), "
                              f"got {self.rows}")
+        if not self.targets:
+            raise ValueError("CdkaSettings.targets must name at least one module")
         missing = [r for r in (self.rows or ROWS) + ("CDKA-aligned",) if r not in dict((x[0], x) for x in self.lrs)]
         if missing:
             raise ValueError(f"CdkaSettings.lrs has no learning rate for {missing}")
@@ -143,7 +159,9 @@ class CdkaSettings(Settings):
 
 SETTINGS: dict[str, CdkaSettings] = {
     "smoke": CdkaSettings(n_train=96, n_test=64, top_layers=1, steps=3, calib_batches=1, rows=None),
-    "quick": CdkaSettings(),
+    # one seed, as the spec's quick mode ("1 seed; 60 steps"); the accuracy claims' intervals come from the 1 000
+    # test sentences
+    "quick": CdkaSettings(seeds=(0,)),
     "full": CdkaSettings(top_layers=6, steps=150, rows=None),
 }
 TIE_TOL = 1e-9            # alignment scores within this are a floating-point tie (cdka.TIE_RTOL)
@@ -193,20 +211,35 @@ def lokr_alignment(G: torch.Tensor, r1: int, r2: int, rank: int | None, iters: i
     return energy / total
 
 
-def lokr_candidates(d: int, budget: int, tol: float) -> list[tuple[int, int, int]]:
-    """PEFT LoKr settings ``(decompose_factor, r, params)`` on a ``d x d`` Linear within ``tol`` of ``budget``.
+def lokr_shapes(d_out: int, d_in: int, f: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """PEFT LoKr's factor shapes for ``decompose_factor=f``: ``((out_l, out_k), (in_m, in_n))``, ``W1 (out_l,
+    in_m)``, ``W2 (out_k, in_n)`` (PEFT's own ``factorization`` of each side). In CDKA's notation ``W1 ⊗ W2``
+    is one component of shape ``r1 = out_k``, ``r2 = in_m``."""
+    from peft.tuners.lokr.layer import factorization
 
-    PEFT's shapes: ``W1 (f, f)`` full, ``W2 (d/f, d/f)`` of rank ``r`` (two factors) when
-    ``r < (d/f)/2``, else full.
+    return factorization(d_out, f), factorization(d_in, f)
+
+
+def lokr_candidates(d: int, budget: int, tol: float, d_in: int | None = None) -> list[tuple[int, int, int]]:
+    """PEFT LoKr settings ``(decompose_factor, r, params)`` on a ``d x d_in`` Linear (square when ``d_in`` is
+    None) within ``tol`` of ``budget``.
+
+    PEFT's shapes (:func:`lokr_shapes`): ``W1 (out_l, in_m)`` full, ``W2 (out_k, in_n)`` of rank ``r`` (two
+    factors) when ``r < max(out_k, in_n)/2``, else full. Factors whose ``W1`` side is the larger one, or
+    trivial (1), are skipped, as are repeated shapes.
     """
+    d_out, d_in = d, (d if d_in is None else d_in)
     out = []
-    for f in cdka.divisors(d):
-        if f == 1 or f == d or f > d // f:
+    shapes_seen = set()
+    for f in sorted(set(cdka.divisors(d_out)) | set(cdka.divisors(d_in))):
+        (out_l, out_k), (in_m, in_n) = lokr_shapes(d_out, d_in, f)
+        if f == 1 or out_l > out_k or in_m > in_n or out_l * in_m == 1 or (out_l, in_m) in shapes_seen:
             continue
-        n = d // f
+        shapes_seen.add((out_l, in_m))
+        n = max(out_k, in_n)
         seen = set()
         for r in range(1, n + 1):
-            p = f * f + (2 * r * n if r < n / 2 else n * n)
+            p = out_l * in_m + (r * (out_k + in_n) if r < n / 2 else out_k * in_n)
             if p in seen and r >= n / 2:
                 break
             seen.add(p)
@@ -223,20 +256,43 @@ def _calibration_loss(model: nn.Module, batch: Batch) -> torch.Tensor:
     return nn.functional.cross_entropy(model(**batch.inputs), batch.labels)
 
 
-def _square_dim(base: TopModel, names: list[str]) -> int:
-    """``d`` of the adapted ``d x d`` Linears (LoKr's candidate shapes assume square matrices)."""
+def _target_shape(base: TopModel, names: list[str], S: CdkaSettings) -> tuple[int, int]:
+    """``(d_out, d_in)`` of the adapted Linears: one shape (every row's budget and LoKr's single setting are per
+    shape), square unless ``S.square_only`` is false."""
     shapes = {tuple(base.get_submodule(n).weight.shape) for n in names}
-    if len(shapes) != 1 or any(a != b for a, b in shapes):
-        raise ValueError(f"CdkaSettings.targets must select square Linears of one size, got shapes {sorted(shapes)}")
-    return next(iter(shapes))[0]
+    if len(shapes) != 1:
+        raise ValueError(f"CdkaSettings.targets must select Linears of one shape, got shapes {sorted(shapes)}")
+    d_out, d_in = next(iter(shapes))
+    if S.square_only and d_out != d_in:
+        raise ValueError(f"CdkaSettings.targets select {d_out} x {d_in} Linears but square_only is true; set "
+                         "square_only=false to adapt non-square layers")
+    return d_out, d_in
 
 
-def budget_per_matrix(S: CdkaSettings, d: int) -> int:
-    """The per-matrix trainable budget: ``S.budget``, else rank-4 LoRA's ``4 (d + d)`` on a square matrix."""
-    return S.budget if S.budget is not None else LORA_RANK * 2 * d
+def budget_per_matrix(S: CdkaSettings, d_out: int, d_in: int | None = None) -> int:
+    """The per-matrix trainable budget: ``S.budget``, else the budget formula ``lora_rank (d_in + d_out)`` (the
+    LoRA baseline's count). A given budget must be within ``budget_tolerance`` of LoRA's count, since LoRA is
+    one of the rows compared at equal budget."""
+    d_in = d_out if d_in is None else d_in
+    lora = S.lora_rank * (d_in + d_out)
+    if S.budget is None:
+        return lora
+    if abs(lora - S.budget) > S.budget_tolerance * S.budget:
+        raise ValueError(f"CdkaSettings.budget {S.budget} is not within budget_tolerance "
+                         f"{S.budget_tolerance:.0%} of the rank-{S.lora_rank} LoRA baseline's {lora} parameters on "
+                         f"{d_out} x {d_in}; change lora_rank or leave budget unset")
+    return S.budget
 
 
-def _build_models(base: TopModel, G: dict[str, torch.Tensor], names: list[str], d: int, seed: int,
+def fixed_components(S: CdkaSettings, d_out: int, d_in: int, r1: int = 4, r2: int = 4) -> int:
+    """``r`` of the fixed-shape row ``(r1, r2, r)``: the component count whose parameters are closest to the
+    budget (the spec's "r1 = r2 = 4, r chosen to match")."""
+    cdka.check_shape(d_out, d_in, r1, r2, 1, name="CDKA-fixed")
+    per = cdka.num_parameters(d_out, d_in, r1, r2, 1)
+    return max(1, round(budget_per_matrix(S, d_out, d_in) / per))
+
+
+def _build_models(base: TopModel, G: dict[str, torch.Tensor], names: list[str], shape: tuple[int, int], seed: int,
                   S: CdkaSettings) -> tuple[dict[str, nn.Module], dict[str, Any]]:
     """The compared models (fresh copies of ``base``; only ``S.rows`` if given, CDKA-aligned always) and
     the alignment of each structure per layer."""
@@ -247,12 +303,21 @@ def _build_models(base: TopModel, G: dict[str, torch.Tensor], names: list[str], 
 
     import peft
 
-    budget = budget_per_matrix(S, d)
+    d_out, d_in = shape
+    budget = budget_per_matrix(S, d_out, d_in)
+    k = S.lora_rank
+    r_fixed = fixed_components(S, d_out, d_in)
     # LoKr: its best-aligned setting inside the budget window (the same selection effort as CDKA's)
-    lokr_opts = lokr_candidates(d, budget, S.budget_tolerance)
+    lokr_opts = lokr_candidates(d_out, budget, S.budget_tolerance, d_in)
     if not lokr_opts:
-        raise ValueError(f"no LoKr setting has {budget} parameters (+-{S.budget_tolerance:.0%}) on a {d} x {d} matrix")
-    lokr_layer = {(f, r): [lokr_alignment(G[n], d // f, f, r) for n in names] for f, r, _ in lokr_opts}
+        raise ValueError(f"no LoKr setting has {budget} parameters (+-{S.budget_tolerance:.0%}) on a {d_out} x {d_in} "
+                         "matrix; change the budget or budget_tolerance")
+
+    def lokr_r1r2(f: int) -> tuple[int, int]:
+        (_, out_k), (in_m, _) = lokr_shapes(d_out, d_in, f)
+        return out_k, in_m
+
+    lokr_layer = {(f, r): [lokr_alignment(G[n], *lokr_r1r2(f), r) for n in names] for f, r, _ in lokr_opts}
     lokr_scores = {k: statistics.fmean(v) for k, v in lokr_layer.items()}
     f_lokr, r_lokr = max(lokr_scores, key=lambda k: (lokr_scores[k], -k[0]))
     p_lokr = next(p for f, r, p in lokr_opts if (f, r) == (f_lokr, r_lokr))
@@ -260,15 +325,16 @@ def _build_models(base: TopModel, G: dict[str, torch.Tensor], names: list[str], 
     models: dict[str, nn.Module] = {}
     if want("LoRA (PEFT)"):
         models["LoRA (PEFT)"] = peft_inject(copy.deepcopy(base), peft.LoraConfig(
-            r=LORA_RANK, lora_alpha=alpha, use_rslora=True, target_modules=list(targets)))
+            r=k, lora_alpha=alpha, use_rslora=True, target_modules=list(targets)))
     if want("LoKr (PEFT)"):
         models["LoKr (PEFT)"] = peft_inject(copy.deepcopy(base), peft.LoKrConfig(
-            r=r_lokr, alpha=alpha / math.sqrt(LORA_RANK) * r_lokr, decompose_factor=f_lokr,
+            r=r_lokr, alpha=alpha / math.sqrt(k) * r_lokr, decompose_factor=f_lokr,
             target_modules=list(targets)))
     for row, cfg in (
-            ("CDKA-aligned", cdka.CDKAConfig(budget=budget, alpha=alpha, seed=seed)),
-            ("CDKA-fixed (4,4,4)", cdka.CDKAConfig(config_mode="fixed", r1=4, r2=4, r=4, alpha=alpha, seed=seed)),
-            ("LoRA-GA (CDKA 1,1,4)", cdka.CDKAConfig(config_mode="fixed", r1=1, r2=1, r=4, alpha=alpha, seed=seed))):
+            ("CDKA-aligned", cdka.CDKAConfig(budget=budget, budget_tolerance=S.budget_tolerance, alpha=alpha,
+                                             seed=seed)),
+            (FIXED, cdka.CDKAConfig(config_mode="fixed", r1=4, r2=4, r=r_fixed, alpha=alpha, seed=seed)),
+            (LORA_GA, cdka.CDKAConfig(config_mode="fixed", r1=1, r2=1, r=k, alpha=alpha, seed=seed))):
         if want(row):
             m = cdka.adapt(copy.deepcopy(base), cfg, target=targets, gradients=G)
             for p in m.classifier.parameters():
@@ -285,11 +351,14 @@ def _build_models(base: TopModel, G: dict[str, torch.Tensor], names: list[str], 
     # alignment per layer of each structure (LoRA: rank-4 SVD energy; LoKr: its own structure)
     rep = {row["layer"]: row for row in cdka.report(models["CDKA-aligned"])}
     align = {"CDKA-aligned": [rep[n]["align"] for n in names],
-             "CDKA-fixed (4,4,4)": [cdka.alignment(G[n], 4, 4, 4) for n in names],
-             "LoRA-GA (CDKA 1,1,4)": [cdka.alignment(G[n], 1, 1, LORA_RANK) for n in names],
-             "LoRA (PEFT)": [cdka.alignment(G[n], 1, 1, LORA_RANK) for n in names],
+             FIXED: [cdka.alignment(G[n], 4, 4, r_fixed) for n in names],
+             LORA_GA: [cdka.alignment(G[n], 1, 1, k) for n in names],
+             "LoRA (PEFT)": [cdka.alignment(G[n], 1, 1, k) for n in names],
              "LoKr (PEFT)": lokr_layer[(f_lokr, r_lokr)]}
-    info = {"layers": names, "align": align, "budget": budget,
+    shapes = {"CDKA-aligned": [(rep[n]["r1"], rep[n]["r2"]) for n in names], FIXED: [(4, 4)] * len(names),
+              LORA_GA: [(1, 1)] * len(names), "LoRA (PEFT)": [(1, 1)] * len(names),
+              "LoKr (PEFT)": [lokr_r1r2(f_lokr)] * len(names)}
+    info = {"layers": names, "align": align, "budget": budget, "shapes": shapes, "r_fixed": r_fixed,
             "cdka_choice": [{k: rep[n][k] for k in ("r1", "r2", "r", "params")} for n in names],
             "lokr": {"decompose_factor": f_lokr, "r": r_lokr, "params": p_lokr,
                      "candidates": {f"{f},{r}": v for (f, r), v in lokr_scores.items()}}}
@@ -320,8 +389,12 @@ def _lrs(S: CdkaSettings, names: Sequence[str], head_lr: float | None = None, lr
     return {name: (lr, lr if name == "head only" else head_lr) for name in names}
 
 
-COLUMNS = ["test accuracy", "mean align", "trainable params / matrix", "final train loss", "median step (ms)"]
+COLUMNS = ["test accuracy", "mean align", "Kronecker layers", "mean r1 r2", "trainable params / matrix",
+           "final train loss", "median step (ms)"]
 COLUMN_NOTES = {"mean align": "fraction of ||G||^2 the structure can express, mean over adapted layers",
+                "Kronecker layers": "shapes chosen: fraction of adapted layers whose component is a Kronecker "
+                                    "product (r1 r2 > 1; 0 = LoRA's outer products everywhere)",
+                "mean r1 r2": "mean over adapted layers of r1 r2 (1 = LoRA); the shapes are listed in the notes",
                 "trainable params / matrix": "adapter parameters (head excluded) / adapted matrices"}
 
 
@@ -331,7 +404,7 @@ def _measure(seed: int, S: CdkaSettings, bert: nn.Module, tok: Any) -> dict[str,
     train, test = negation_task(seed, S.n_train, S.n_test)
     base, prefix, _, batches, _, G, names = _setup(seed, S, bert, tok, train)
     test_split = CachedSplit(prefix, test, keep_all=True)
-    models, info = _build_models(base, G, names, _square_dim(base, names), seed, S)
+    models, info = _build_models(base, G, names, _target_shape(base, names, S), seed, S)
     trainers = train_lockstep(models, batches, seed, _lrs(S, list(models)))
     table = Table(columns=list(COLUMNS), notes=dict(COLUMN_NOTES))
     correct: dict[str, list[float]] = {}
@@ -344,6 +417,10 @@ def _measure(seed: int, S: CdkaSettings, bert: nn.Module, tok: Any) -> dict[str,
         table.add(row, "median step (ms)", median_step_ms(trainers[row]))
         if row in info["align"]:
             table.add(row, "mean align", statistics.fmean(info["align"][row]))
+        if row in info["shapes"]:
+            sh = info["shapes"][row]
+            table.add(row, "Kronecker layers", sum(a * b > 1 for a, b in sh) / len(sh))
+            table.add(row, "mean r1 r2", statistics.fmean(a * b for a, b in sh))
     info["losses"] = {row: t.losses for row, t in trainers.items()}
     return {"table": table, "info": info, "correct": correct}
 
@@ -368,7 +445,7 @@ def lr_sweep(grid: Sequence[float] = (3e-4, 1e-3, 3e-3, 1e-2), seed: int = 100, 
     val_split = CachedSplit(prefix, val, keep_all=True)
     out: dict[str, dict[float, float]] = {}
     for lr in grid:
-        models, _ = _build_models(base, G, names, _square_dim(base, names), seed, S)
+        models, _ = _build_models(base, G, names, _target_shape(base, names, S), seed, S)
         train_lockstep(models, batches, seed, _lrs(S, list(models), LR_HEAD, lr))
         for row, model in models.items():
             out.setdefault(row, {})[lr] = evaluate_cached(model, val_split.hidden, val_split.mask, val_split.labels)[0]
@@ -389,7 +466,11 @@ class CdkaReproduction(MiniLMReproduction):
     def preconditions(self, settings: CdkaSettings, records: Records[dict]) -> list[Precondition]:
         acc = {r: self._table.mean(r, "test accuracy") for r in COMPARED}
         chance = 1.0 / len(LABELS)
+        chosen = [a * b > 1 for r in records for a, b in r["info"]["shapes"]["CDKA-aligned"]]
         return [
+            Precondition("CDKA-aligned chose a Kronecker shape (r1 r2 > 1): fraction of adapted layers over seeds (at "
+                         "0 the component design is never exercised and CDKA-aligned is LoRA with gradient "
+                         "initialisation)", sum(chosen) / len(chosen), ">", 0.0),
             Precondition(f"the task does not saturate: min over {', '.join(COMPARED)} of mean test accuracy",
                          min(acc.values()), "<", SATURATED),
             Precondition("LoKr (PEFT) learned: mean test accuracy - chance (1/4)", acc["LoKr (PEFT)"] - chance, ">",
@@ -427,13 +508,18 @@ class CdkaReproduction(MiniLMReproduction):
         S = settings
         per_seed = [r["info"] for r in records]
         first = records.first["info"]
-        shapes = sorted({(c["r1"], c["r2"], c["r"]) for s in per_seed for c in s["cdka_choice"]})
+        counts: dict[tuple[int, int, int], int] = {}
+        for s in per_seed:
+            for c in s["cdka_choice"]:
+                counts[(c["r1"], c["r2"], c["r"])] = counts.get((c["r1"], c["r2"], c["r"]), 0) + 1
+        shapes = ", ".join(f"{k} on {v} layer(s)" for k, v in sorted(counts.items()))
         return (
             f"MiniLM top {S.top_layers} layer(s) adapted ({', '.join(S.targets)}; lower layers cached), "
             f"{S.steps} steps of batch {S.batch_size}, AdamW with the per-method learning rates of the settings "
             f"(chosen by lr_sweep on a development seed), linear schedule. Budget per matrix: "
-            f"{first['budget']} parameters (+-{S.budget_tolerance:.0%}; rank-4 LoRA's unless set). CDKA-aligned chose "
-            f"(r1, r2, r) in {shapes}; LoKr (PEFT) used decompose_factor={first['lokr']['decompose_factor']}, "
+            f"{first['budget']} parameters (+-{S.budget_tolerance:.0%}; the rank-{S.lora_rank} LoRA baseline's count "
+            f"{S.lora_rank} (d_in + d_out) unless set). CDKA-aligned chose "
+            f"(r1, r2, r) = {shapes} (over all seeds); CDKA-fixed used (4, 4, {first['r_fixed']}); LoKr (PEFT) used decompose_factor={first['lokr']['decompose_factor']}, "
             f"r={first['lokr']['r']} ({first['lokr']['params']} parameters), its best-aligned setting in the window. "
             f"Gradients G come from {S.calib_batches} calibration batch(es) on the unmodified model with the fresh "
             "head (eval mode). Claim (a) is a property of the design and holds by construction against LoRA (a wiring "
@@ -442,7 +528,8 @@ class CdkaReproduction(MiniLMReproduction):
             "expected to hold only qualitatively; its intervals are paired bootstraps over the test sentences.")
 
     def config(self, settings: CdkaSettings, records: Records[dict]) -> dict[str, Any]:
-        return {"lora_rank": LORA_RANK, "budget_per_matrix": records.first["info"]["budget"]}
+        return {"lora_rank": settings.lora_rank, "budget_per_matrix": records.first["info"]["budget"],
+                "budget_formula": "budget if set, else lora_rank (d_in + d_out)", "cdka_fixed_r": records.first["info"]["r_fixed"]}
 
     def extra(self, settings: CdkaSettings, records: Records[dict]) -> dict[str, Any]:
         return {"seeds": {str(s): r["info"] for s, r in records.items()}}
@@ -460,7 +547,7 @@ def _figures(table: Table, first: dict[str, Any], out_dir: Path) -> list[str]:
     ax[0].set_xlim(max(0.0, min(means) - 0.1), 1.0)
     ax[0].set_title("negated sentiment x topic, MiniLM")
     for row, vals in first["align"].items():
-        if row == "LoRA-GA (CDKA 1,1,4)":
+        if row == LORA_GA:
             continue
         ax[1].plot(range(len(vals)), vals, marker="o", label=row)
     ax[1].set_xticks(range(len(first["layers"])))
