@@ -5,7 +5,7 @@ The ARPC reproduction and ``rankwise codec`` (without ``--model``) use these; th
 
 Recipe (:data:`RECIPES`): :func:`rankwise.zoo.digits_images` (1,797 digits upsampled x2 to 16 x 16,
 scaled to [-1, 1]; 1,500 train / 297 test, split seed 0), an :class:`~rankwise.science.arpc.ARPCConfig`
-(scales 1, 2, 4, 8, 16; per-scale 16-entry k-means codebooks; AR transformer 2 layers, width 64,
+(scales 1, 2, 4, 8, 16; per-scale 16-entry k-means codebooks; AR transformer 2 layers, width 32,
 4 heads) fitted on the training images by ``ARPCCodec.fit`` (Adam, warm-up + cosine, the recipe's
 steps and batch, parameters and batches seeded by the model seed). One codec per model seed.
 
@@ -53,7 +53,7 @@ RECIPES: dict[str, ARPCRecipe] = {
     "smoke": ARPCRecipe(config={"ar_width": 16, "ar_heads": 2, "ar_layers": 1}, steps=15, batch_size=8,
                         n_train=200, seeds=(0,)),
     # the reproduction's models (cold build: see docs/methods/arpc.md)
-    "small": ARPCRecipe(),
+    "small": ARPCRecipe(config={"ar_width": 32}, steps=400),
 }
 
 
