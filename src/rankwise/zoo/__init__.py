@@ -27,7 +27,7 @@ import time
 from typing import Any, Sequence
 
 from rankwise.zoo.docstrings import GROUPS, MODULES, SPLITS, Corpus, Document, corpus
-from rankwise.zoo.images import ImageTask, digits_task, digits_tasks
+from rankwise.zoo.images import ImageTask, digits_images, digits_task, digits_tasks
 from rankwise.zoo.models import (
     MissingDependencyError,
     embed,
@@ -69,6 +69,7 @@ __all__ = [
     "build_tiny_vit",
     "cache_dir",
     "corpus",
+    "digits_images",
     "digits_task",
     "digits_tasks",
     "embed",
@@ -124,7 +125,7 @@ DATASETS: dict[str, dict[str, str]] = {
     },
     "sklearn-digits": {
         "kind": "image data set",
-        "used_by": "digits_tasks(), digits_task()",
+        "used_by": "digits_tasks(), digits_task(), digits_images()",
         "source": "scikit-learn's bundled copy (sklearn.datasets.load_digits, 1,797 8x8 images) of the test "
                   "part of the UCI Optical Recognition of Handwritten Digits data set (Alpaydin & Kaynak, "
                   "1998)",

@@ -22,7 +22,7 @@ import torch
 
 from rankwise.zoo.tasks import _check_name
 
-__all__ = ["DIGITS_TASKS", "ImageTask", "digits_task", "digits_tasks"]
+__all__ = ["DIGITS_TASKS", "ImageTask", "digits_images", "digits_task", "digits_tasks"]
 
 
 @dataclass(frozen=True)
@@ -155,3 +155,26 @@ def digits_task(name: str, seed: int = 0, image_size: int = 8, test_fraction: fl
         x_test=tensor(test_idx, te), y_test=torch.from_numpy(np.concatenate(test_y)[te]),
         description=spec.description,
     )
+
+
+def digits_images(image_size: int = 16, n_test: int = 297, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """All 1,797 digit images, unlabelled and unbalanced, as ``(train, test)`` float32 tensors
+    ``(N, 1, image_size, image_size)`` with values in [0, 1] (image coding and generative models).
+
+    ``seed`` draws the permutation (``numpy.random.default_rng(seed)``); the last ``n_test`` images of it
+    are the test set (default: 1,500 train / 297 test). ``image_size`` > 8 upsamples bilinearly.
+    """
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"seed={seed!r} must be a non-negative int")
+    if isinstance(image_size, bool) or not isinstance(image_size, int) or image_size < 8:
+        raise ValueError(f"image_size={image_size!r} must be an int >= 8 (the digits are 8 x 8)")
+    images, _ = _load_digits()
+    if isinstance(n_test, bool) or not isinstance(n_test, int) or not 1 <= n_test < len(images):
+        raise ValueError(f"n_test={n_test!r} must be an int in 1..{len(images) - 1}")
+    order = np.random.default_rng(seed).permutation(len(images))
+    t = torch.from_numpy(np.ascontiguousarray(images[order])).unsqueeze(1)
+    if image_size != 8:
+        t = torch.nn.functional.interpolate(t, size=(image_size, image_size), mode="bilinear",
+                                            align_corners=False).clamp_(0.0, 1.0)
+    n_train = len(images) - n_test
+    return t[:n_train].contiguous(), t[n_train:].contiguous()
