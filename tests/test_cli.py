@@ -208,10 +208,36 @@ def test_zoo_build_calls_the_zoo(runner: CliRunner, monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(rankwise.zoo, "build", build, raising=False)
     from rankwise.repro.kit import artefacts
 
-    monkeypatch.setattr(artefacts, "build_all", lambda force=False: calls.append(("artefacts", force)) or {})
+    monkeypatch.setattr(artefacts, "build_all",
+                        lambda force=False, size="small": calls.append(("artefacts", force, size)) or {})
     res = invoke(runner, "zoo", "build", "--force")
     assert res.exit_code == 0, res.output
-    assert calls == [(True, "small"), ("artefacts", True)] and "built" in res.stdout
+    assert calls == [(True, "small"), ("artefacts", True, "small")] and "built" in res.stdout
+    calls.clear()
+    res = invoke(runner, "zoo", "build", "--size", "smoke")
+    assert res.exit_code == 0 and calls == [(False, "smoke"), ("artefacts", False, "smoke")], res.output
+
+
+def test_artefact_builders_follow_the_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A builder with sizes builds the asked size if it has that recipe; one without sizes builds for
+    the default size only."""
+    import types
+
+    from rankwise.repro.kit import artefacts
+
+    calls = []
+    sized = types.SimpleNamespace(RECIPES={"smoke": 1, "small": 2},
+                                  build=lambda force=False, size="small": calls.append(("sized", size)) or size)
+    plain = types.SimpleNamespace(build=lambda force=False: calls.append(("plain",)) or "ok")
+    monkeypatch.setitem(sys.modules, "fake_sized", sized)
+    monkeypatch.setitem(sys.modules, "fake_plain", plain)
+    monkeypatch.setattr(artefacts, "BUILDERS", {"a": "fake_sized:build", "b": "fake_plain:build"})
+    assert artefacts.build_all(size="smoke") == {"a": "smoke"} and calls == [("sized", "smoke")]
+    calls.clear()
+    assert artefacts.build_all() == {"a": "small", "b": "ok"} and calls == [("sized", "small"), ("plain",)]
+    assert artefacts.build_all(size="large") == {}
+    with pytest.raises(ValueError, match="unknown artefact builders"):
+        artefacts.build_all(only=("nope",))
 
 
 def test_zoo_build_missing_is_a_clear_error(runner: CliRunner, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -29,15 +29,13 @@ def zoo_build_cmd(
     accepts_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     kwargs = {k: v for k, v in kwargs.items() if accepts_any or k in params}
     result = build(**kwargs)
-    from rankwise.repro.kit import arpc_codec  # trained artefacts of the methods (they need the method code)
-
-    if size in arpc_codec.RECIPES and isinstance(result, dict):
-        result["arpc"] = arpc_codec.build(force=force, size=size)
     if result is not None and not common.settings(ctx).quiet:
         common.console().print(result)
-    from rankwise.repro.kit import artefacts  # the reproductions' cached models (PriorGuide's score models)
+    # the reproductions' trained artefacts (they need the method code, so they are not the zoo's own):
+    # PriorGuide's score models, ARPC's codecs, ...
+    from rankwise.repro.kit import artefacts
 
-    extra = artefacts.build_all(force=force)
+    extra = artefacts.build_all(force=force, size=size)
     if not common.settings(ctx).quiet:
         common.console().print(extra)
 

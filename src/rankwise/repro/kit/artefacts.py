@@ -8,17 +8,23 @@ one line here (imported lazily, so that building one does not import every repro
 from __future__ import annotations
 
 import importlib
+import inspect
 from typing import Any
 
 __all__ = ["BUILDERS", "build_all"]
 
 BUILDERS: dict[str, str] = {
     "priorguide": "rankwise.repro.kit.score_models:build",
+    "arpc": "rankwise.repro.kit.arpc_codec:build",
 }
 
 
-def build_all(force: bool = False, only: tuple[str, ...] | None = None) -> dict[str, Any]:
-    """Run every builder (or those named in ``only``); returns ``{name: record}``."""
+def build_all(force: bool = False, only: tuple[str, ...] | None = None, size: str = "small") -> dict[str, Any]:
+    """Run every builder (or those named in ``only``); returns ``{name: record}``.
+
+    ``size`` (``rankwise zoo build --size``): a builder with a ``size`` parameter and a ``RECIPES``
+    table builds that size when it has a recipe of that name; a builder without sizes builds only for
+    the default size ``"small"``."""
     unknown = [n for n in (only or ()) if n not in BUILDERS]
     if unknown:
         raise ValueError(f"unknown artefact builders {unknown}; choose from {list(BUILDERS)}")
@@ -27,5 +33,11 @@ def build_all(force: bool = False, only: tuple[str, ...] | None = None) -> dict[
         if only and name not in only:
             continue
         mod, fn = target.split(":")
-        out[name] = getattr(importlib.import_module(mod), fn)(force=force)
+        module = importlib.import_module(mod)
+        builder = getattr(module, fn)
+        if "size" in inspect.signature(builder).parameters:
+            if size in getattr(module, "RECIPES", {}):
+                out[name] = builder(force=force, size=size)
+        elif size == "small":
+            out[name] = builder(force=force)
     return out
