@@ -17,6 +17,11 @@ __all__ = ["GPMUpdate", "balanced_spectrum", "check_feasible", "empty_basis", "g
            "polar", "project_out", "project_tangent", "random_directions", "retract", "spectrum_ratio"]
 
 
+#: ``||G (I - F F^T)||_F <= ZERO_RTOL ||G||_F`` counts as a zero projected gradient (float32 rounding of a
+#: gradient that lies in the protected subspace; an exactly zero G too)
+ZERO_RTOL = 1e-6
+
+
 def _where(name: str | None) -> str:
     return f"layer {name!r}" if name else "EBLoRA"
 
@@ -84,7 +89,7 @@ def gradient_init(G: torch.Tensor, F: torch.Tensor | None, rank: int, *, generat
     ``G`` (d_out, d_in) is the averaged loss gradient; ``G̃ = G (I - F F^T)``; ``torch.svd_lowrank(G̃^T, q=r)``
     gives ``G̃^T ≈ P Σ Q^T``; ``V = P``, ``U = Q`` (cleaned: F removed from V again and both polar-projected, so
     that ``U^T U = V^T V = I`` and ``F^T V = 0`` hold in float32). NaN/inf raises NumericalError naming the
-    layer; a zero ``G̃`` falls back to :func:`random_directions` with a warning. ``generator_seed`` seeds the
+    layer; a zero ``G̃`` (``||G̃||_F <= ZERO_RTOL ||G||_F``) falls back to :func:`random_directions` with a warning. ``generator_seed`` seeds the
     randomised SVD (the caller's RNG is untouched).
     """
     if G.ndim != 2:
@@ -99,7 +104,7 @@ def gradient_init(G: torch.Tensor, F: torch.Tensor | None, rank: int, *, generat
         raise NumericalError(f"{_where(name)}: the initialisation gradient holds NaN or inf")
     Gt = project_out(Fd, G.T)  # G̃^T = (I - F F^T) G^T, (d_in, d_out)
     gen = None if generator_seed is None else torch.Generator().manual_seed(generator_seed)
-    if float(Gt.abs().max()) == 0.0:
+    if float(torch.linalg.matrix_norm(Gt)) <= ZERO_RTOL * float(torch.linalg.matrix_norm(G)):
         warnings.warn(f"{_where(name)}: the projected gradient is zero (G (I - F F^T) = 0); EBLoRA starts from "
                       "random orthonormal directions instead", stacklevel=3)
         return random_directions(d_out, d_in, rank, Fd, gen)
