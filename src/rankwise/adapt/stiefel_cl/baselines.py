@@ -16,7 +16,7 @@ ones), at the same rank and ``alpha``; ``loss_fn(model, batch)`` is the loss of 
 
 from __future__ import annotations
 
-import math
+from pathlib import Path
 from typing import Any, Callable, Iterable
 
 import torch
@@ -67,6 +67,14 @@ class ContinualLearner:
     def end_task(self, grad_batches: list[Any]) -> dict[str, float]:
         raise NotImplementedError
 
+    def state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """What a resumed run needs beyond the model's weights: ``(tensors, JSON metadata)``."""
+        return {}, {}
+
+    def restore(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any], tasks_done: int) -> None:
+        """Inverse of :meth:`state` on a model whose weights are those after ``tasks_done`` tasks."""
+        return None
+
 
 class EBLoRALearner(ContinualLearner):
     name = "eblora"
@@ -79,6 +87,8 @@ class EBLoRALearner(ContinualLearner):
                            grad_batches=grad_batches, direction_lr_scale=direction_lr_scale, seed=seed)
         self.cl = EBLoRAContinual(model, cfg, loss_fn=loss_fn)
         self.last_optimizer = None
+        #: a folder: each task's update is also written as a PEFT LoRA directory ``<folder>/<task>`` before it merges
+        self.peft_export: str | Path | None = None
 
     def begin_task(self, grad_batches: list[Any], name: str) -> None:
         self.cl.begin_task(grad_batches, name)
@@ -88,7 +98,15 @@ class EBLoRALearner(ContinualLearner):
         return self.last_optimizer
 
     def end_task(self, grad_batches: list[Any]) -> dict[str, float]:
+        if self.peft_export is not None:
+            self.cl.export_peft(Path(self.peft_export) / self.cl.current, overwrite=True)
         return dict(self.cl.end_task(grad_batches).spectrum_ratio)
+
+    def state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        return self.cl.state_tensors()
+
+    def restore(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any], tasks_done: int) -> None:
+        self.cl = EBLoRAContinual.from_state(self.model, tensors, meta, apply_deltas=False, loss_fn=self.loss_fn)
 
 
 def _lora_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -161,6 +179,9 @@ class SequentialLoRA(ContinualLearner):
     def before_merge(self) -> None:
         return None
 
+    def restore(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any], tasks_done: int) -> None:
+        self.tasks_done = tasks_done
+
 
 class OLoRA(SequentialLoRA):
     """PEFT LoRA with O-LoRA's orthogonality penalty ``λ Σ_{j<t} Σ_layers ||A_t A_j^T||_F^2`` (λ = ``lam``)."""
@@ -188,6 +209,14 @@ class OLoRA(SequentialLoRA):
     def before_merge(self) -> None:
         for n, m in _lora_layers(self.peft_model):
             self.previous.setdefault(_peel(n), []).append(m.lora_A["default"].weight.detach().clone())
+
+    def state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        return ({f"A/{n}/{k}": A for n, As in self.previous.items() for k, A in enumerate(As)},
+                {"layers": {n: len(As) for n, As in self.previous.items()}})
+
+    def restore(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any], tasks_done: int) -> None:
+        super().restore(tensors, meta, tasks_done)
+        self.previous = {n: [tensors[f"A/{n}/{k}"] for k in range(int(c))] for n, c in meta["layers"].items()}
 
 
 class InfLoRALike(SequentialLoRA):
@@ -228,6 +257,13 @@ class InfLoRALike(SequentialLoRA):
             up = gpm_update(self.bases.get(n), sums[n] / count, self.energy_threshold, name=n)
             self.bases[n] = up.F
         return ratios
+
+    def state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        return {f"F/{n}": F for n, F in self.bases.items()}, {"layers": list(self.bases)}
+
+    def restore(self, tensors: dict[str, torch.Tensor], meta: dict[str, Any], tasks_done: int) -> None:
+        super().restore(tensors, meta, tasks_done)
+        self.bases = {n: tensors[f"F/{n}"] for n in meta["layers"]}
 
 
 def make_learner(method: str, model: nn.Module, target: Iterable[str], rank: int, alpha: float,

@@ -183,6 +183,14 @@ class EBLoRAContinual:
         bit-exactly and, with ``apply_deltas`` (``model`` is the original base model), merge every saved task's
         ``c s U V^T`` in the original order, which reproduces the trained weights bit-exactly."""
         tensors, meta = io.load_tensors(path)
+        return cls.from_state(model, tensors, meta, apply_deltas=apply_deltas, loss_fn=loss_fn, source=str(path))
+
+    @classmethod
+    def from_state(cls, model: nn.Module, tensors: dict[str, torch.Tensor], meta: dict[str, Any], *,
+                   apply_deltas: bool = True, loss_fn: LossFn | None = None,
+                   source: str = "EBLoRA state") -> "EBLoRAContinual":
+        """:meth:`load` from ``(tensors, metadata)`` as :meth:`state_tensors` gives them."""
+        path = source
         if meta.get("kind") != STATE_KIND:
             raise ArtifactError(f"{path}: not an EBLoRA continual state (kind={meta.get('kind')!r})")
         try:

@@ -158,13 +158,33 @@ def _order(n: int, seed: int) -> list[int]:
     return torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+def _train_task(learner: ContinualLearner, model: MultiHeadModel, task: ContinualTask, opt: torch.optim.Optimizer,
+                epochs: int, seed: int, i: int, losses: list[float], steps_t: list[float]) -> None:
+    for ep in range(epochs):
+        for k in _order(len(task.train), seed * 1009 + i * 31 + ep):
+            x, y = task.train[k]
+            ts = time.perf_counter()
+            loss = nn.functional.cross_entropy(model(**x), y)
+            pen = learner.penalty()
+            if pen is not None:
+                loss = loss + pen
+            if not torch.isfinite(loss):
+                raise NumericalError(f"{learner.name}: training loss is {float(loss)} on task {task.name!r}")
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            learner.after_step()
+            steps_t.append(time.perf_counter() - ts)
+            losses.append(float(loss.detach()))
+
+
 def run_continual(learner: ContinualLearner, model: MultiHeadModel, tasks: Sequence[ContinualTask], *,
                   epochs: int = 1, lr: float = 1e-3, head_lr: float = 1e-3, seed: int = 0,
                   probe_steps: int = 100, probe_lr: float = 1e-2, zero_shot: Sequence[float] | None = None,
-                  start: int = 0, log: Callable[[str], None] | None = None,
+                  start: int = 0, stop: int | None = None, log: Callable[[str], None] | None = None,
                   after_task: Callable[[int, "ContinualResult"], None] | None = None,
                   result: ContinualResult | None = None) -> ContinualResult:
-    """Learn ``tasks[start:]`` in order with ``learner`` on ``model`` (see the module docstring).
+    """Learn ``tasks[start:stop]`` in order with ``learner`` on ``model`` (see the module docstring).
 
     ``zero_shot``: probe accuracies on the pretrained encoder, one per task (computed here when None and
     ``start == 0``). ``result``: the result of the tasks before ``start`` (a resumed run). ``after_task(i, res)``
@@ -186,7 +206,7 @@ def run_continual(learner: ContinualLearner, model: MultiHeadModel, tasks: Seque
         res.zero_shot = list(zero_shot)
     t0 = time.perf_counter()
     steps_t: list[float] = []
-    for i in range(start, len(tasks)):
+    for i in range(start, len(tasks) if stop is None else stop):
         task = tasks[i]
         head = model.add_head(task.name, task.num_labels, seed * 7919 + i)
         model.active = task.name
@@ -198,22 +218,9 @@ def run_continual(learner: ContinualLearner, model: MultiHeadModel, tasks: Seque
         opt = learner.optimizer(lr, list(head.parameters()), head_lr)
         model.train()
         losses = []
-        for ep in range(epochs):
-            for k in _order(len(task.train), seed * 1009 + i * 31 + ep):
-                x, y = task.train[k]
-                ts = time.perf_counter()
-                loss = nn.functional.cross_entropy(model(**x), y)
-                pen = learner.penalty()
-                if pen is not None:
-                    loss = loss + pen
-                if not torch.isfinite(loss):
-                    raise NumericalError(f"{learner.name}: training loss is {float(loss)} on task {task.name!r}")
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                opt.step()
-                learner.after_step()
-                steps_t.append(time.perf_counter() - ts)
-                losses.append(float(loss.detach()))
+        with torch.random.fork_rng(devices=[]):  # dropout masks from the task's own seed: a resumed run is identical
+            torch.manual_seed(seed * 1_000_003 + i)
+            _train_task(learner, model, task, opt, epochs, seed, i, losses, steps_t)
         model.eval()
         res.spectra.append(learner.end_task(task.grad))
         for p in head.parameters():
