@@ -112,8 +112,8 @@ SETTINGS: dict[str, StiefelCLSettings] = {
     "smoke": StiefelCLSettings(tasks=TASKS[:2], top_layers=1, n_train=32, n_test=16, max_length=16, epochs=1,
                                grad_batches=1, probe_steps=5, full_claim=False, seeds=(0,)),
     # the spec's quick mode: 3 tasks, layers 4-5 only, 1 epoch, 1 seed
-    "quick": StiefelCLSettings(tasks=TASKS[:3], top_layers=2, epochs=1, full_claim=False,
-                               seeds=(0,)),
+    "quick": StiefelCLSettings(tasks=TASKS[:3], top_layers=2, epochs=1, n_train=256, n_test=150, grad_batches=4,
+                               probe_steps=50, full_claim=False, seeds=(0,)),
     "full": StiefelCLSettings(seeds=(0, 1, 2)),
 }
 
