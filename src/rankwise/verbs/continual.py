@@ -21,9 +21,7 @@ next task (``--tasks`` may append new tasks to the saved list).
 from __future__ import annotations
 
 import dataclasses
-import json
 import random
-import statistics
 from pathlib import Path
 from typing import Any, Callable, List, Optional, Sequence
 

@@ -17,7 +17,7 @@ ones), at the same rank and ``alpha``; ``loss_fn(model, batch)`` is the loss of 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
 import torch
 from torch import nn

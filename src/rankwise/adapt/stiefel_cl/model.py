@@ -6,7 +6,6 @@ the PEFT export of a task's update and the adapter API (:data:`EBLORA`, an
 from __future__ import annotations
 
 import warnings
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -14,19 +13,11 @@ import torch
 from torch import nn
 
 from rankwise.adapt.stiefel_cl.config import _UNSUPPORTED, EBLoRAConfig
-from rankwise.adapt.stiefel_cl.functional import (
-    check_feasible,
-    empty_basis,
-    gpm_update,
-    gradient_init,
-    spectrum_ratio,
-)
+from rankwise.adapt.stiefel_cl.functional import check_feasible, empty_basis, gradient_init
 from rankwise.adapt.stiefel_cl.layer import EBLoRALinear
 from rankwise.adapt.stiefel_cl.optimizer import RiemannianAdamW
-from rankwise.core import io
 from rankwise.core.adapters import AdapterMethod, wrap_layer
 from rankwise.core.calibration import LossFn, given_gradients, gradient_pass, mean_gradients
-from rankwise.core.errors import ArtifactError, RankwiseError
 from rankwise.core.lora import AdapterState
 from rankwise.core.peft_format import write_adapter_dir
 from rankwise.core.registry import register
