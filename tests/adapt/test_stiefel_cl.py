@@ -145,7 +145,7 @@ def test_many_steps_stay_on_the_restricted_manifold():
         opt.zero_grad()
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     eye = torch.eye(4)
     assert float((U.T @ U - eye).abs().max()) < 1e-5
     assert float((V.T @ V - eye).abs().max()) < 1e-5
