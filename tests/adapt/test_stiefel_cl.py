@@ -56,6 +56,8 @@ def test_balanced_spectrum():
     sv = fn.balanced_spectrum(U, V, -0.37, 2.0)
     torch.testing.assert_close(sv, torch.full((4,), 0.74, dtype=torch.float64), atol=1e-6, rtol=0)
     assert fn.spectrum_ratio(2.0 * -0.37 * U @ V.T, 4) <= 1 + 1e-5
+    B, A = torch.randn(24, 4, dtype=torch.float64), torch.randn(4, 16, dtype=torch.float64)
+    assert abs(fn.factored_spectrum_ratio(B, A) - fn.spectrum_ratio(B @ A, 4)) < 1e-9
 
 
 def test_gpm_update_orthonormal_energy_and_rank():

@@ -26,6 +26,7 @@ from rankwise.adapt.stiefel_cl.functional import (
     GPMUpdate,
     balanced_spectrum,
     check_feasible,
+    factored_spectrum_ratio,
     gpm_update,
     gradient_init,
     polar,
@@ -61,7 +62,7 @@ from rankwise.adapt.stiefel_cl.optimizer import RiemannianAdamW
 __all__ = [
     "BERT_TARGETS", "EBLORA", "EBLoRAConfig", "EBLoRAContinual", "EBLoRALinear", "GPMUpdate", "GRAD_SCALING",
     "RiemannianAdamW", "STATE_KIND", "TaskRecord", "adapt", "adapter_names", "apply_eblora", "balanced_spectrum",
-    "check_feasible", "collect_gradients", "delete_adapter", "disable_adapters", "eblora_layers", "enable_adapters",
+    "check_feasible", "collect_gradients", "factored_spectrum_ratio", "delete_adapter", "disable_adapters", "eblora_layers", "enable_adapters",
     "export_peft", "gpm_update", "gradient_init", "load_adapter", "make_optimizer", "merge", "peft_state", "polar",
     "project_out", "project_tangent", "random_directions", "retract", "save_adapter", "set_active",
     "spectrum_ratio", "unload", "unmerge",

@@ -24,7 +24,7 @@ from torch import nn
 
 from rankwise.adapt.stiefel_cl.config import EBLoRAConfig
 from rankwise.adapt.stiefel_cl.continual import EBLoRAContinual
-from rankwise.adapt.stiefel_cl.functional import gpm_update, spectrum_ratio
+from rankwise.adapt.stiefel_cl.functional import factored_spectrum_ratio, gpm_update
 from rankwise.core.calibration import LossFn, gradient_pass
 from rankwise.core.validate import check_choice, check_int, check_number, check_positive
 
@@ -160,8 +160,8 @@ class SequentialLoRA(ContinualLearner):
     def spectra(self) -> dict[str, float]:
         out = {}
         for n, m in _lora_layers(self.peft_model):
-            delta = m.lora_B["default"].weight @ m.lora_A["default"].weight * m.scaling["default"]
-            out[_peel(n)] = spectrum_ratio(delta, self.rank)
+            B, A = m.lora_B["default"].weight, m.lora_A["default"].weight
+            out[_peel(n)] = factored_spectrum_ratio(B * m.scaling["default"], A)
         return out
 
     def end_task(self, grad_batches: list[Any]) -> dict[str, float]:

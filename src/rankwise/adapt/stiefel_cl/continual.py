@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from rankwise.adapt.stiefel_cl.config import EBLoRAConfig
-from rankwise.adapt.stiefel_cl.functional import empty_basis, gpm_update, spectrum_ratio
+from rankwise.adapt.stiefel_cl.functional import empty_basis, factored_spectrum_ratio, gpm_update
 from rankwise.adapt.stiefel_cl.layer import EBLoRALinear
 from rankwise.adapt.stiefel_cl.model import EBLORA, adapt, collect_gradients, export_peft, make_optimizer
 from rankwise.adapt.stiefel_cl.optimizer import RiemannianAdamW
@@ -124,8 +124,8 @@ class EBLoRAContinual:
             c = layer.scaling[name]
             factors[lname] = (U, V, s, c)
             rec.magnitude[lname] = float(s)
-            rec.spectrum_ratio[lname] = (spectrum_ratio(layer.delta_weight(name, torch.float64), layer.rank(name))
-                                         if float(s) != 0.0 else float("nan"))
+            rec.spectrum_ratio[lname] = (factored_spectrum_ratio(float(c * s) * U, V.T) if float(s) != 0.0
+                                         else float("nan"))
         self._merge_and_drop(name)
         hits = [(n, layer) for n, layer in layers if n in factors]
         grads = collect_gradients(self.model, hits, grad_loader, self.loss_fn, self.config.grad_batches)

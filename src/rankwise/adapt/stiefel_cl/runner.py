@@ -3,8 +3,9 @@
 A :class:`MultiHeadModel` is an encoder (``encoder(**inputs) -> (B, H)`` pooled features) with one linear
 head per task. For each task, in order (:func:`run_continual`):
 
-1. a new head, fitted as a linear probe on the current (frozen) encoder's features: its test accuracy is the
-   "before training" accuracy of the task (FWT, below); the probe is the head's starting point (LP-FT);
+1. a new head (seeded random init); a copy of it is fitted as a linear probe on the current (frozen) encoder's
+   features, whose test accuracy is the "before training" accuracy of the task (FWT, below); with
+   ``probe_init`` the fitted probe is the head's starting point instead (LP-FT);
 2. ``learner.begin_task`` (new adapter), then ``epochs`` epochs over the task's batches training the adapter
    and the head (plus the learner's penalty and after-step constraint);
 3. ``learner.end_task`` (merge, protected subspace) and the head is frozen;
@@ -18,6 +19,7 @@ for a task-incremental protocol where a task's head does not exist before the ta
 
 from __future__ import annotations
 
+import copy
 import math
 import statistics
 import time
@@ -181,14 +183,15 @@ def _train_task(learner: ContinualLearner, model: MultiHeadModel, task: Continua
 def run_continual(learner: ContinualLearner, model: MultiHeadModel, tasks: Sequence[ContinualTask], *,
                   epochs: int = 1, lr: float = 1e-3, head_lr: float = 1e-3, seed: int = 0,
                   probe_steps: int = 100, probe_lr: float = 1e-2, zero_shot: Sequence[float] | None = None,
-                  start: int = 0, stop: int | None = None, log: Callable[[str], None] | None = None,
+                  start: int = 0, stop: int | None = None, probe_init: bool = False, log: Callable[[str], None] | None = None,
                   after_task: Callable[[int, "ContinualResult"], None] | None = None,
                   result: ContinualResult | None = None) -> ContinualResult:
     """Learn ``tasks[start:stop]`` in order with ``learner`` on ``model`` (see the module docstring).
 
     ``zero_shot``: probe accuracies on the pretrained encoder, one per task (computed here when None and
     ``start == 0``). ``result``: the result of the tasks before ``start`` (a resumed run). ``after_task(i, res)``
-    runs after each task (e.g. to save state).
+    runs after each task (e.g. to save state). ``probe_init``: start each head from its fitted probe (linear probing
+    then fine-tuning) instead of the seeded random init.
     """
     names = [t.name for t in tasks]
     res = result or ContinualResult(learner.name, names, [], [], [], [], [])
@@ -210,7 +213,8 @@ def run_continual(learner: ContinualLearner, model: MultiHeadModel, tasks: Seque
         task = tasks[i]
         head = model.add_head(task.name, task.num_labels, seed * 7919 + i)
         model.active = task.name
-        acc_before, _ = probe_accuracy(model, task, head, steps=probe_steps, lr=probe_lr)
+        probe = head if probe_init else copy.deepcopy(head)
+        acc_before, _ = probe_accuracy(model, task, probe, steps=probe_steps, lr=probe_lr)
         res.before.append(acc_before)
         learner.begin_task(task.grad, task.name)
         for p in head.parameters():
