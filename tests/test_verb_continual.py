@@ -108,3 +108,20 @@ def test_rank_above_free_directions_is_reported(tiny_dir, data_files, tmp_path):
     res = invoke("continual", "--data", *data_files, "--model", tiny_dir, "--rank", "2", "--energy-threshold", "1",
                  "--targets", "query", "--max-length", "16", "--out", tmp_path / "o")
     assert res.exit_code == 2 and "exceeds the free input directions" in res.output
+
+
+def test_resume_refuses_to_overwrite_another_directory(tmp_path):
+    from rankwise.core import io
+    from rankwise.verbs.continual import ContinualJob
+
+    saved = tmp_path / "saved"
+    saved.mkdir()
+    io.write_json(saved / "job.json", {"kind": "rankwise.continual",
+                                       "options": ContinualJob(tasks=("topic",), out=saved).saved()})
+    (saved / "state.safetensors").write_bytes(b"")
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "keep.txt").write_text("mine")
+    res = invoke("continual", "--resume", saved, "--out", other)
+    assert res.exit_code == 2 and "Traceback" not in res.output
+    assert (other / "keep.txt").read_text() == "mine"

@@ -15,7 +15,8 @@ update. Saved in ``--out`` after every task (atomically): ``job.json`` (options,
 metrics), ``state.safetensors`` (the encoder's linear weights, the heads and the learner's state: EBLoRA's
 protected bases and per-task factors, O-LoRA's earlier A, InfLoRA's bases) and, for EBLoRA, every task's
 update as a PEFT LoRA directory ``peft/<task>/``. ``--resume DIR`` reloads that state and continues with the
-next task (``--tasks`` may append new tasks to the saved list).
+next task (``--tasks`` may append new tasks to the saved list), saving into ``DIR`` (or a new ``--out``, where the
+PEFT directories of the earlier tasks are not copied).
 """
 
 from __future__ import annotations
@@ -204,7 +205,7 @@ def _resume_job(job: ContinualJob) -> tuple[ContinualJob, dict[str, Any]]:
                           "targets": tuple(opts["targets"]),
                           "model": None if opts["model"] is None else Path(opts["model"]),
                           "out": Path(job.out) if job.out is not None else d, "resume": d,
-                          "max_tasks": job.max_tasks, "overwrite": True})
+                          "max_tasks": job.max_tasks, "overwrite": job.overwrite})
     return new, saved
 
 
@@ -221,8 +222,8 @@ def run_continual_job(job: ContinualJob, log: Callable[[str], None] | None = Non
     saved: dict[str, Any] | None = None
     if job.resume is not None:
         job, saved = _resume_job(job)
-    elif job.out is not None:
-        io.write_dir(job.out, lambda tmp: None, overwrite=job.overwrite or None)  # writable, empty or ours
+    if job.resume is None or Path(job.out).resolve() != Path(job.resume).resolve():
+        io.write_dir(job.out, lambda tmp: None, overwrite=job.overwrite or None)  # writable, and empty or --overwrite
     data = _task_data(job)
     if not job.tasks and not job.data:
         job.tasks = tuple(d[0] for d in data)
