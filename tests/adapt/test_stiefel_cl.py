@@ -149,6 +149,7 @@ def test_many_steps_stay_on_the_restricted_manifold():
         opt.step()
         losses.append(float(loss.detach()))
     eye = torch.eye(4)
+    U, V = U.detach(), V.detach()
     assert float((U.T @ U - eye).abs().max()) < 1e-5
     assert float((V.T @ V - eye).abs().max()) < 1e-5
     assert float((F.T @ V).abs().max()) < 1e-5
