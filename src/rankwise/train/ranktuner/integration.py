@@ -106,7 +106,18 @@ def sft_trainer(model: torch.nn.Module, tokenizer: Any, train: Sequence[Any], ar
         args, func = sft_config(loss_type=arm, **config), None
     else:
         args, func = sft_config(loss_type="nll", **config), trl_loss_func(arm)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*compute_loss_func.*deprecated", category=FutureWarning)
-        return SFTTrainer(model=model, args=args, train_dataset=examples_dataset(train), processing_class=tokenizer,
-                          compute_loss_func=func)
+    import datasets
+    from transformers import PrinterCallback
+
+    bars = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*compute_loss_func.*deprecated", category=FutureWarning)
+            trainer = SFTTrainer(model=model, args=args, train_dataset=examples_dataset(train),
+                                 processing_class=tokenizer, compute_loss_func=func)
+    finally:
+        if bars:
+            datasets.enable_progress_bars()
+    trainer.remove_callback(PrinterCallback)  # disable_tqdm would otherwise print every log line
+    return trainer
