@@ -7,8 +7,9 @@ hence 4 + 1 = 5 ; ans 6 8 5"``, each connective one of 4 synonyms drawn uniforml
 
 * Stage A (the prior): the cached warm-up model ``zoo.warm_lm("ranktuner")`` (tiny Llama, 4 layers,
   hidden 128, 4 heads, FFN 512), 1500 AdamW steps of 32 on 20k ``add`` explanations, whole-sequence
-  loss (about 60 s on 2 idle cores, the spec's full-mode stage A; built once by ``rankwise zoo build``
-  and shared by every mode and seed, so quick mode uses the same prior rather than a 20 s one).
+  loss (the spec's stage A, budgeted in steps rather than seconds so that it is deterministic; a few
+  minutes cold, built once by ``rankwise zoo build`` and shared by every mode and seed, so quick mode
+  uses the same prior rather than a shorter one).
 * Stage B (the new operation the prior gets wrong): the same explanations with the answer written
   least-significant digit first (``ans 5 8 6``); 2000 training problems, 10 % of the targets with one
   filler (``umm``/``uh``) at a random completion position; 500 held-out problems (disjoint, seeded).
@@ -85,7 +86,8 @@ class RankTunerSettings(Settings):
     n_test: int = setting(500, "held-out problems for exact match", lo=1)
     n_probe: int = setting(256, "training targets of the fixed probe set (claims 1, 1b)", lo=8)
     filler_rate: float = setting(0.1, "share of training targets with one inserted filler", lo=0.0, hi=1.0)
-    arms: tuple[str, ...] = setting(("nll", "dft", "ranktuner"), "trained arms (TRL SFTTrainer each)")
+    arms: tuple[str, ...] = setting(("nll", "dft", "ranktuner"), "trained arms (TRL SFTTrainer each), from "
+                                    "nll, dft, ranktuner, one_minus_p, entropy, focal")
     steps: int = setting(150, "optimizer steps per arm (the same budget for every arm)", lo=1)
     batch_size: int = setting(32, "examples per step", lo=1)
     lr: float = setting(1e-3, "AdamW learning rate (the spec's, every arm)", lo=0.0)
@@ -106,9 +108,10 @@ class RankTunerSettings(Settings):
 
 SETTINGS: dict[str, RankTunerSettings] = {
     "smoke": RankTunerSettings(warm="ranktuner-smoke", n_train=64, n_test=16, n_probe=32, steps=2, batch_size=8,
-                               max_new_tokens=4),
-    # one seed: the mechanistic claims need no training; the three peer rows report exact match
-    "quick": RankTunerSettings(seeds=(0,)),
+                               max_new_tokens=4, arms=("nll", "ranktuner")),
+    # one seed, two arms (plain SFT and RankTuner; exact match reported, claim 2 is full mode's): the
+    # mechanistic claims need no training, and 2 x 150 TRL steps of the 4-layer model fit the 60 s
+    "quick": RankTunerSettings(arms=("nll", "ranktuner"), seeds=(0,)),
     "full": RankTunerSettings(arms=ARMS, steps=400, outcome=True, seeds=(0, 1, 2)),
 }
 
