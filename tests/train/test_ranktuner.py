@@ -231,6 +231,9 @@ def test_trl_loss_func_shifts_and_uses_num_items():
     assert torch.allclose(got, ref)
     got2 = f(out, labels, num_items_in_batch=torch.tensor(24))
     assert torch.allclose(got2, ref * 12 / 24)
+    log: list = []
+    trl_loss_func(RankTunerLoss(s_max=1.5), log=log)(out, labels)
+    assert len(log) == 1 and 0 <= log[0]["clamped_frac"] <= 1 and log[0]["max_weight"] >= log[0]["mean_weight"]
     with pytest.raises(TypeError):
         trl_loss_func(3)
 

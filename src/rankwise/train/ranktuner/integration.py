@@ -27,12 +27,15 @@ __all__ = ["TRL_LOSS_TYPES", "examples_dataset", "sft_config", "sft_trainer", "t
 TRL_LOSS_TYPES = ("nll", "dft")
 
 
-def trl_loss_func(loss_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+def trl_loss_func(loss_fn: Callable[..., torch.Tensor], log: list[dict[str, float]] | None = None
+                  ) -> Callable[..., torch.Tensor]:
     """Adapt ``loss_fn(logits, labels)`` (aligned, class dim last) to TRL's ``compute_loss_func``.
 
     The returned callable takes ``(outputs, labels, num_items_in_batch=None)``; it shifts
     (``logits[:, :-1]``, ``labels[:, 1:]``) and forwards ``num_items_in_batch`` as ``num_items`` when
-    ``loss_fn`` accepts it (every :class:`~rankwise.train.ranktuner.TokenWeightedLoss` does).
+    ``loss_fn`` accepts it (every :class:`~rankwise.train.ranktuner.TokenWeightedLoss` does). With a
+    ``log`` list, each call of a :class:`~rankwise.train.ranktuner.TokenWeightedLoss` appends its weight
+    statistics (``mean_weight``, ``max_weight``, ``clamped_frac``, ``loss``).
     """
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable (logits, labels) -> loss, got {type(loss_fn).__name__}")
@@ -47,9 +50,15 @@ def trl_loss_func(loss_fn: Callable[..., torch.Tensor]) -> Callable[..., torch.T
         if labels is None:
             raise ValueError("compute_loss_func needs the batch's labels; the data collator produced none")
         shifted_logits, shifted_labels = logits[:, :-1], labels[:, 1:]
+        kw: dict[str, Any] = {}
         if takes_items and num_items_in_batch is not None:
-            return loss_fn(shifted_logits, shifted_labels, num_items=num_items_in_batch)
-        return loss_fn(shifted_logits, shifted_labels)
+            kw["num_items"] = num_items_in_batch
+        if log is not None and takes_items:  # a TokenWeightedLoss: it can return its statistics
+            loss, stats = loss_fn(shifted_logits, shifted_labels, return_stats=True, **kw)
+            log.append({"loss": float(loss.detach()), **{k: stats[k] for k in
+                                                           ("mean_weight", "max_weight", "clamped_frac")}})
+            return loss
+        return loss_fn(shifted_logits, shifted_labels, **kw)
 
     compute_loss_func.loss_fn = loss_fn  # type: ignore[attr-defined]
     return compute_loss_func
