@@ -280,7 +280,8 @@ class RankTunerReproduction(Reproduction[RankTunerSettings, dict]):
         width = 0.2
         for j, scheme in enumerate(PROBE_SCHEMES):
             vals = [statistics.fmean(r["probe"][scheme]["mean"][t] for r in records) for t in TAGS]
-            ax.bar([i + j * width for i in range(len(TAGS))], vals, width, label=ROW[scheme])
+            label = ROW[scheme] + (" (p, not normalised)" if scheme == "dft" else "")
+            ax.bar([i + j * width for i in range(len(TAGS))], vals, width, label=label)
         ax.set_xticks([i + 1.5 * width for i in range(len(TAGS))], ["answer digit", "connective", "step result",
                                                                      "filler"])
         ax.set_ylabel("mean token weight (stage-A model)")
@@ -293,6 +294,7 @@ class RankTunerReproduction(Reproduction[RankTunerSettings, dict]):
         for i, r in enumerate(rows):
             ax.plot([i] * len(self._t.values(r, "exact match")), self._t.values(r, "exact match"), "k.", ms=4)
         ax.set_xticks(range(len(rows)), [r.replace(" (", "\n(") for r in rows], fontsize=7)
+        ax.set_ylim(0, 1)
         ax.set_ylabel("exact match (held-out)")
         ax.set_title(f"{s.steps} TRL SFT steps per arm, {len(records.seeds)} seed(s)", fontsize=10)
         return [save_figure(fig, out_dir / "ranktuner.png")]
