@@ -55,7 +55,9 @@ class Goal:
 
     ``metric="ratio"``: ``ratio_vs_anchor`` of ``impl`` must be ``<= max_ratio`` (e.g. 0.5 for "at
     least 2x faster than the anchor"); ``metric="exponent"``: the fitted growth exponent of a growth case
-    must lie within ``tol`` of the case's ``expected_exponent``. ``text`` says the goal in words.
+    must lie within ``tol`` of the case's ``expected_exponent``; ``metric="seconds"``: the median time
+    of ``impl`` must be ``<= max_seconds`` (an absolute budget, e.g. the CLI's start-up). ``text`` says
+    the goal in words.
     """
 
     text: str
@@ -63,18 +65,24 @@ class Goal:
     impl: str | None = None
     max_ratio: float | None = None
     tol: float = 0.5
+    max_seconds: float | None = None
 
     def __post_init__(self) -> None:
-        if self.metric not in ("ratio", "exponent"):
-            raise ValueError(f"Goal.metric must be 'ratio' or 'exponent', got {self.metric!r}")
+        if self.metric not in ("ratio", "exponent", "seconds"):
+            raise ValueError(f"Goal.metric must be 'ratio', 'exponent' or 'seconds', got {self.metric!r}")
         if self.metric == "ratio" and (self.impl is None or self.max_ratio is None):
             raise ValueError("a ratio Goal needs impl and max_ratio")
+        if self.metric == "seconds" and (self.impl is None or self.max_seconds is None):
+            raise ValueError("a seconds Goal needs impl and max_seconds")
 
     def check(self, entry: dict[str, Any]) -> bool | None:
         """Met (True/False) on a result entry of :func:`run_module`; None if the entry lacks the number."""
         if self.metric == "ratio":
             t = entry.get("time", {}).get(self.impl)
             return None if t is None else bool(t["ratio_vs_anchor"] <= self.max_ratio)
+        if self.metric == "seconds":
+            t = entry.get("time", {}).get(self.impl)
+            return None if t is None else bool(t["median_s"] <= self.max_seconds)
         g = entry.get("growth")
         if not g or g.get("exponent") is None or not math.isfinite(g["exponent"]):
             return None
@@ -82,7 +90,7 @@ class Goal:
 
     def to_json(self) -> dict[str, Any]:
         return {"text": self.text, "metric": self.metric, "impl": self.impl, "max_ratio": self.max_ratio,
-                "tol": self.tol}
+                "tol": self.tol, "max_seconds": self.max_seconds}
 
 
 @dataclass
@@ -118,7 +126,7 @@ class Case:
             if self.expected_exponent is None:
                 raise ValueError(f"case {self.name!r}: a growth case needs expected_exponent")
         for g in self.goals:
-            if g.metric == "ratio" and g.impl not in self.impls:
+            if g.metric in ("ratio", "seconds") and g.impl not in self.impls:
                 raise ValueError(f"case {self.name!r}: goal on unknown implementation {g.impl!r}")
             if g.metric == "exponent" and self.sizes is None:
                 raise ValueError(f"case {self.name!r}: an exponent goal needs a growth case (sizes=...)")

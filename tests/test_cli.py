@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -172,12 +173,18 @@ def test_report_with_an_error_row(runner: CliRunner, fake_lora: ModuleType, tmp_
     assert res.exit_code == 1, res.output  # the report is written; the failure is signalled
     assert f"report: {(out / 'index.html').resolve()}" in res.stdout
     assert "1 holds" in res.stdout and "1 error" in res.stdout and "boom" in res.stdout
+    # not a terminal: one line per finished reproduction (id, verdict, seconds), in the order run
+    done = [ln for ln in res.stdout.splitlines() if re.fullmatch(r"\S+ +.+ +\(\d+\.\d s\)", ln)]
+    assert [ln.split()[0] for ln in done] == ["lora", "swift_svd"], res.stdout
+    assert "holds" in done[0] and "error: boom" in done[1]
     page = (out / "index.html").read_text()
     assert all(f"<code>{id}</code>" in page for id in registry.all_ids())
     summary = json.loads((out / "summary.json").read_text())
     assert summary["counts"]["error"] == 1 and summary["counts"]["holds"] == 1
     res = invoke(runner, "report", "--smoke", "--only", "lora", "--out", str(out))
     assert res.exit_code == 0 and len(fake_lora.CALLS) == 1  # cached
+    res = invoke(runner, "--quiet", "report", "--smoke", "--only", "lora", "--out", str(out))
+    assert res.exit_code == 0 and res.stdout.strip().splitlines() == [f"report: {(out / 'index.html').resolve()}"]
 
 
 def test_report_only_unknown_or_planned(runner: CliRunner, tmp_path: Path) -> None:

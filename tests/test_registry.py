@@ -67,6 +67,27 @@ def test_status_is_honest() -> None:
         assert entry.module.split(".")[1] in registry.FAMILIES, (id, entry.module)
 
 
+def test_manifest_matches_the_modules() -> None:
+    """The static manifest (what `rankwise list` and the README read without importing torch) names
+    exactly the methods that importing every method module registers."""
+    assert registry.registered_ids() == registry.discovered_ids(), (
+        "src/rankwise/core/manifest.py is stale: run `python -m rankwise.readme` and commit it")
+
+
+def test_listing_imports_no_method_module() -> None:
+    """`rankwise list` and `rankwise --help` stay fast: the CLI, the registry table and the README
+    table import neither torch nor any method family."""
+    import subprocess
+    import sys
+
+    code = ("import sys; import rankwise.cli; from rankwise.core import registry; from rankwise import readme; "
+            "registry.table(include_references=True); readme.papers_table_markdown(); "
+            "bad = sorted(m for m in sys.modules if m in ('torch', 'numpy', 'transformers') or "
+            "m.split('.')[:2] in ([ 'rankwise', f] for f in registry.FAMILIES)); print(bad)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out
+
+
 def test_no_reproduction_without_an_implementation() -> None:
     """A reproduction module of a paper whose method never registered would make 'reproduced' a lie."""
     registry.discover()

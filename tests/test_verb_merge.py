@@ -109,3 +109,15 @@ def test_bad_inputs_exit_2_and_write_nothing(peft_dirs: list[Path], tmp_path: Pa
     (keep / "notes.txt").write_text("mine")
     res = invoke("merge", "--rank", "4", *peft_dirs, "--out", keep)
     assert res.exit_code == 2 and (keep / "notes.txt").read_text() == "mine"
+
+
+def test_help_lists_match_the_merge_registry() -> None:
+    """`rankwise merge --help` names methods and rules from static lists (no torch at start-up): they
+    must be the registry's."""
+    from rankwise.merge import RULES, merge_methods
+    from rankwise.merge.dirs import METHODS
+    from rankwise.verbs import merge as verb
+
+    assert verb.HELP_METHODS == tuple(METHODS)
+    assert verb.HELP_RULES == tuple(RULES)
+    assert verb.HELP_FREE_RULE == tuple(n for n, m in merge_methods().items() if "rule" not in m.fixed)

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Sequence
-
-import torch
+from typing import TYPE_CHECKING, Any, Sequence
 
 from rankwise.core.validate import check_int
+
+if TYPE_CHECKING:  # torch only where batches are built, so that reading JSONL (the CLI) stays light
+    import torch
 
 __all__ = ["json_line", "read_texts", "tokenize_batches"]
 

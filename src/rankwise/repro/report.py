@@ -18,7 +18,7 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from rankwise import __version__
 from rankwise.core import registry
@@ -54,12 +54,14 @@ def run_report(
     seeds: Sequence[int] | None = None,
     use_cache: bool = True,
     progress: bool = False,
+    on_done: Callable[[str, ReproResult | BaseException, float], None] | None = None,
 ) -> ReportRun:
     """Run the reproductions (all that exist, or ``only`` these ids) and build the report.
 
     Ids in ``only`` are validated before anything runs (unknown id or no reproduction: error), and
     so is ``out_dir``. A reproduction that raises becomes an "error" row; the others still run.
-    Each reproduction writes into ``out_dir/<id>/``.
+    Each reproduction writes into ``out_dir/<id>/``. ``on_done(id, result_or_error, seconds)`` is
+    called as each one finishes (seconds of wall time in this run, near 0 for a cached result).
     """
     mode = harness.validate_mode(mode)
     seed_list = harness.resolve_seeds(mode, seeds) if seeds is not None else None
@@ -88,12 +90,15 @@ def run_report(
         for id in ids:
             if bar is not None:
                 bar.update(task, description=f"{id} ({mode})")
+            t0 = time.perf_counter()
             try:
                 results[id] = harness.reproduce(id, mode=mode, seeds=seed_list, out_dir=out / id,
                                                 use_cache=use_cache)
             except Exception as e:  # one broken reproduction must not sink the report
                 log.warning("reproduction %s failed: %s: %s", id, type(e).__name__, e)
                 results[id] = e
+            if on_done is not None:
+                on_done(id, results[id], time.perf_counter() - t0)
             if bar is not None:
                 bar.advance(task)
     finally:

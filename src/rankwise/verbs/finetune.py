@@ -23,14 +23,28 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import typer
-from torch import nn
 
 from rankwise.core.textfiles import json_line
-from rankwise.train import job as _job
-from rankwise.train.job import FinetuneData, FinetuneJob, FinetuneJobResult, class_labels
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from rankwise.train.job import FinetuneData, FinetuneJob, FinetuneJobResult
+
+# torch and the job are imported on first use, so that `rankwise --help` imports neither
+_LAZY = {"FinetuneData", "FinetuneJob", "FinetuneJobResult"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        from rankwise.train import job
+
+        return getattr(job, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = ["FinetuneData", "FinetuneJob", "FinetuneJobResult", "build_model", "load_data", "load_finetuned",
            "read_jsonl", "run_finetune", "register"]
@@ -70,6 +84,8 @@ def read_jsonl(path: Path) -> list[tuple[str, Any]]:
 
 def load_data(job: FinetuneJob) -> FinetuneData:
     """The job's data: a zoo text task (``job.task``) or JSONL files (``job.data``, ``job.eval_data``)."""
+    from rankwise.train.job import FinetuneData, class_labels
+
     if (job.task is None) == (job.data is None):
         raise ValueError("give exactly one of --task NAME or --data FILE.jsonl")
     if job.task is not None:
@@ -93,8 +109,6 @@ def load_data(job: FinetuneJob) -> FinetuneData:
 
 def build_model(source: Optional[str], num_labels: int, seed: int) -> tuple[nn.Module, Any]:
     """The embedded MiniLM classifier (``source`` None) or a ``save_pretrained`` directory with a seeded head."""
-    import torch
-
     if source is None:
         from rankwise import zoo
 
@@ -122,6 +136,8 @@ def build_model(source: Optional[str], num_labels: int, seed: int) -> tuple[nn.M
 def run_finetune(job: FinetuneJob, progress: bool = False,
                  log: Callable[[str], None] | None = None) -> FinetuneJobResult:
     """:func:`rankwise.train.job.run_finetune` with the data and model resolved as ``rankwise finetune`` does."""
+    from rankwise.train import job as _job
+
     _job.validate_job(job)  # every option (and --out's writability) before the data or the model is read
     if job.model is not None and not Path(job.model).is_dir():
         raise FileNotFoundError(f"--model {job.model}: no such directory (expected a save_pretrained layout)")
@@ -130,6 +146,8 @@ def run_finetune(job: FinetuneJob, progress: bool = False,
 
 def load_finetuned(directory: str | Path) -> tuple[nn.Module, Any, dict[str, Any]]:
     """:func:`rankwise.train.job.load_finetuned` with this verb's model builder (embedded MiniLM or a directory)."""
+    from rankwise.train import job as _job
+
     return _job.load_finetuned(directory, build_model)
 
 
@@ -178,6 +196,7 @@ def register(app: typer.Typer) -> None:
         seed: int = typer.Option(0, "--seed"),
     ) -> None:
         """Fine-tune an adapter for text classification; evaluate periodically; save and verify the reload."""
+        from rankwise.train.job import FinetuneJob
         from rankwise.verbs import common
 
         if task is None and data is None:

@@ -25,17 +25,28 @@ The work is :func:`rankwise.merge.dirs.merge_dirs` (re-exported here with :class
 from __future__ import annotations
 
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, List, Optional
 
 import typer
 
-from rankwise.merge import RULES, merge_methods
-from rankwise.merge.dirs import METHODS, MergeDirsResult, build_config, merge_dirs
-
 __all__ = ["METHODS", "MergeDirsResult", "build_config", "merge_dirs", "register"]
 
+# The help text names the registry's methods and rules without importing the merge package (torch):
+# tests/test_verb_merge.py checks these three lists against rankwise.merge's registry.
+HELP_METHODS = ("ctm", "ta", "ties", "dare", "iso_c", "mtc", "knots", "core")
+HELP_RULES = ("ta", "mean", "ties", "dare", "dare_ties", "iso_c")
 #: the methods whose merge rule --rule may change (the others fix it: ties is TIES, ...)
-_FREE_RULE = [name for name, m in merge_methods().items() if "rule" not in m.fixed]
+HELP_FREE_RULE = ("ctm", "mtc", "knots", "core")
+
+_LAZY = {"METHODS", "MergeDirsResult", "build_config", "merge_dirs"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        from rankwise.merge import dirs
+
+        return getattr(dirs, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def register(app: typer.Typer) -> None:
@@ -45,11 +56,11 @@ def register(app: typer.Typer) -> None:
     def merge_cmd(
         ctx: typer.Context,
         adapters: List[Path] = typer.Argument(..., help="PEFT LoRA adapter directories to merge (one per task)."),
-        method: str = typer.Option("ctm", "--method", help=f"{', '.join(METHODS)}."),
+        method: str = typer.Option("ctm", "--method", help=f"{', '.join(HELP_METHODS)}."),
         rank: int = typer.Option(16, "--rank", help="Rank r of the merged LoRA (>= 1)."),
         out: Path = typer.Option(..., "--out", help="Output PEFT LoRA directory."),
-        rule: Optional[str] = typer.Option(None, "--rule", help=f"Merge rule for {'/'.join(_FREE_RULE)}: "
-                                           f"{', '.join(RULES)}."),
+        rule: Optional[str] = typer.Option(None, "--rule", help=f"Merge rule for {'/'.join(HELP_FREE_RULE)}: "
+                                           f"{', '.join(HELP_RULES)}."),
         scale: Optional[float] = typer.Option(None, "--scale", help="Global scale λ (ctm default 0.75, others 1)."),
         density: Optional[float] = typer.Option(None, "--density", help="TIES: fraction kept per task, (0, 1]."),
         drop_rate: Optional[float] = typer.Option(None, "--drop-rate", help="DARE: drop probability, [0, 1)."),
@@ -58,6 +69,7 @@ def register(app: typer.Typer) -> None:
         overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing --out directory."),
     ) -> None:
         """Merge LoRA adapters (PEFT directories) into one rank-r LoRA (a PEFT directory)."""
+        from rankwise.merge.dirs import merge_dirs
         from rankwise.verbs import common
 
         res = merge_dirs(adapters, method, rank, out, overwrite=overwrite, rule=rule, scale=scale, density=density,

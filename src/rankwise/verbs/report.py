@@ -27,9 +27,13 @@ def report_cmd(
 
     mode = common.parse_mode(smoke, quick, full)
     ids = [i for v in (only or []) for i in v.split(",") if i.strip()] or None
-    run = run_report(mode=mode, only=ids, out_dir=out, seeds=common.parse_seeds(seeds), use_cache=not no_cache,
-                     progress=common.progress(ctx))
     console = common.console()
+    bar = common.progress(ctx)
+    # with no progress bar (stdout is a file or a pipe: `make demo > log`), one line per finished
+    # reproduction, so that a long run shows where it is
+    lines = not bar and not common.settings(ctx).quiet
+    run = run_report(mode=mode, only=ids, out_dir=out, seeds=common.parse_seeds(seeds), use_cache=not no_cache,
+                     progress=bar, on_done=_print_done if lines else None)
     counts = run.summary["counts"]
     if not common.settings(ctx).quiet:
         parts = [f"{v} {k}" for k, v in counts.items() if v and k in ("holds", "does not hold", "inconclusive", "wiring only", "error")]
@@ -40,6 +44,12 @@ def report_cmd(
     console.print(f"report: {run.index.resolve()}", soft_wrap=True, markup=False)
     if run.errors:
         raise typer.Exit(1)
+
+
+def _print_done(id: str, result: object, seconds: float) -> None:
+    verdict = (f"error: {common.one_line(result)}" if isinstance(result, BaseException)
+               else getattr(result, "verdict_text", "?"))
+    print(f"{id:<20} {verdict}  ({seconds:.1f} s)", flush=True)
 
 
 def register(app: typer.Typer) -> None:
