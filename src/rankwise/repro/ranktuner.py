@@ -50,7 +50,8 @@ import torch
 from rankwise.repro.result import ClaimCheck, Precondition, Table
 from rankwise.repro.skeleton import Records, Reproduction, Settings, pyplot, save_figure, setting
 from rankwise.train.ranktuner import RankTunerLoss, TokenWeightedLoss, rank_stats, sft_trainer, trl_loss_func
-from rankwise.train.sft import exact_match, generate, make_sft_batches, SFTConfig
+from rankwise.core.lmdata import collate, encode_pair
+from rankwise.train.sft import exact_match, generate
 
 ID = "ranktuner"
 CLAIM = ("RankTuner's relative-rank weights put >= 2x more weight on the new operation's answer digits than on "
@@ -131,15 +132,18 @@ def _em(model: Any, tok: Any, world: Any, test: list[Any], s: RankTunerSettings)
 
 def _probe(model: Any, tok: Any, probe: list[Any], s: RankTunerSettings) -> dict[str, Any]:
     """Weights of every scheme on the probe set (one forward of the stage-A model), by tag."""
-    batch = make_sft_batches(tok, probe, SFTConfig(steps=1, batch_size=len(probe)))[0]
-    tags = []
-    for e, plen, n in zip(probe, batch.prompt_lens.tolist(), (batch.labels != -100).sum(1).tolist()):
+    batch = collate([encode_pair(tok, e.prompt, e.completion) for e in probe], tok.pad_token_id)  # in order
+    tags: list[list[str | None]] = []
+    for i, (e, plen) in enumerate(zip(probe, batch.prompt_lens.tolist())):
         tags.append([None] * (plen - 1) + list(e.tags) + ["eos"])  # aligned with labels[:, 1:]
     with torch.no_grad():
         out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
     logits, labels = out.logits[:, :-1], batch.labels[:, 1:]
     mask = labels != -100
-    flat_tags = [t for row, m in zip(tags, mask.tolist()) for t, v in zip(row + [None] * len(m), m) if v]
+    if [sum(t is not None for t in row) for row in tags] != mask.sum(1).tolist():
+        raise RuntimeError("probe tags do not align with the target tokens")
+    flat_tags = [t for row in tags for t in row if t is not None]
+    flat_ex = [i for i, row in enumerate(tags) for t in row if t is not None]
     res: dict[str, Any] = {"n_tokens": int(mask.sum()), "n_filler": flat_tags.count("filler")}
     for scheme in PROBE_SCHEMES:
         loss = RankTunerLoss(s_max=s.s_max, gamma=s.gamma) if scheme == "ranktuner" else TokenWeightedLoss(scheme)
@@ -148,8 +152,12 @@ def _probe(model: Any, tok: Any, probe: list[Any], s: RankTunerSettings) -> dict
         by = {t: statistics.fmean([x for x, tt in zip(wv, flat_tags) if tt == t] or [float("nan")]) for t in TAGS}
         k = max(1, int(round(TOP_SHARE * len(sv))))
         top = sorted(range(len(sv)), key=lambda i: -sv[i])[:k]
-        res[scheme] = {"mean": by, "ratio": by["answer"] / by["syn"],
-                       "filler_share": sum(flat_tags[i] == "filler" for i in top) / k}
+        per_ex = [0] * len(probe)  # fillers of each probe example among the top k (paired samples of 1b)
+        for i in top:
+            if flat_tags[i] == "filler":
+                per_ex[flat_ex[i]] += 1
+        res[scheme] = {"mean": by, "ratio": by["answer"] / by["syn"], "filler_share": sum(per_ex) / k,
+                       "top_fillers": per_ex, "k": k}
     # wiring: TRL's shifted compute_loss_func path with unit weights == the model's own causal-LM loss
     with torch.no_grad():
         own = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, labels=batch.labels).loss
@@ -255,9 +263,10 @@ class RankTunerReproduction(Reproduction[RankTunerSettings, dict]):
             ClaimCheck("(1) the 1 - p weight's answer/connective ratio relative to RankTuner's", omp / rt, "<=",
                        MAX_REL_RATIO, unit="x"),
             ClaimCheck("(1b) filler share of the top 10% tokens: RankTuner - entropy scheme",
-                       sh["ranktuner"] - sh["entropy"], "<", 0.0),
+                       sh["ranktuner"] - sh["entropy"], "<", 0.0, samples=self._share_diff(records, "entropy")),
             ClaimCheck("(1b) filler share of the top 10% tokens: RankTuner - (1 - p) scheme",
-                       sh["ranktuner"] - sh["one_minus_p"], "<=", 0.0),
+                       sh["ranktuner"] - sh["one_minus_p"], "<=", 0.0,
+                       samples=self._share_diff(records, "one_minus_p")),
             ClaimCheck("TRL compute_loss_func path (unit weights) vs the model's own loss: |difference|",
                        max(r["probe"]["wiring_trl"] for r in records), "<=", TOL_WIRING, kind="wiring"),
             ClaimCheck("rank statistics independent of the chunk size: max |difference|",
@@ -272,6 +281,17 @@ class RankTunerReproduction(Reproduction[RankTunerSettings, dict]):
                 checks.append(ClaimCheck(f"(2) exact match RankTuner - {ROW[other]}",
                                          statistics.fmean(statistics.fmean(x) for x in d), ">=", margin, samples=d))
         return checks
+
+    @staticmethod
+    def _share_diff(records: Records[dict], other: str) -> list[list[float]]:
+        """Per probe example: (its fillers in RankTuner's top k - in ``other``'s) x n_examples / k, whose
+        mean is the difference of the two shares (a paired bootstrap over probe examples)."""
+        out = []
+        for r in records:
+            a, b = r["probe"]["ranktuner"], r["probe"][other]
+            n = len(a["top_fillers"])
+            out.append([(x - y) * n / a["k"] for x, y in zip(a["top_fillers"], b["top_fillers"])])
+        return out
 
     def figures(self, s: RankTunerSettings, records: Records[dict], out_dir: Path) -> list[str]:
         plt = pyplot()
