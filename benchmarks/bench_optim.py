@@ -2,7 +2,9 @@
 pytorch-optimizer's RACS / Alice ports.
 
 One ``Case`` per weight shape (4096 x 4096: a LLaMA-7B attention projection; 11008 x 4096: its MLP
-up/gate projection), every optimizer side by side, anchored on ``torch.optim.AdamW``. Each factory
+up/gate projection), every optimizer side by side, anchored on ``torch.optim.AdamW`` (the
+single-tensor loop, ``foreach=False``), with AdamW's ``foreach=True`` and ``fused=True`` (the CPU fused
+kernel) as rows too, so that a ratio is never flattered by a slow anchor. Each factory
 builds the weight with a fixed random gradient and takes one step *before* timing, so the state
 initialisation (Alice's first eigenbasis, GaLore's first SVD) is excluded; the timed calls are plain
 steps (Alice's subspace switch and GaLore's SVD happen every 200 steps, amortised, not timed here).
@@ -29,7 +31,11 @@ RANK = 256
 
 def _build(kind: str, p: nn.Parameter) -> torch.optim.Optimizer:
     if kind == "adamw":
-        return torch.optim.AdamW([p], lr=1e-3)
+        return torch.optim.AdamW([p], lr=1e-3, foreach=False)
+    if kind == "adamw_foreach":
+        return torch.optim.AdamW([p], lr=1e-3, foreach=True)
+    if kind == "adamw_fused":
+        return torch.optim.AdamW([p], lr=1e-3, fused=True)
     if kind == "galore":
         from galore_torch import GaLoreAdamW
 
@@ -70,9 +76,10 @@ def _factory(kind: str, shape: tuple[int, int], params: dict[str, Any]) -> Calla
 
 def _case(shape: tuple[int, int], repeats: int) -> Case:
     params: dict[str, Any] = {"shape": list(shape), "rank": RANK, "param_bytes": shape[0] * shape[1] * 4}
-    kinds = ("adamw", "galore", "racs", "racs_port", "alice", "alice_port")
+    kinds = ("adamw", "adamw_foreach", "adamw_fused", "galore", "racs", "racs_port", "alice", "alice_port")
+    # the factory already took the first step (state initialisation); one more untimed step warms up
     return Case(f"step_{shape[0]}x{shape[1]}", impls={k: _factory(k, shape, params) for k in kinds}, anchor="adamw",
-                params=params, repeats=repeats, warmup=0)  # the factory already took the first step
+                params=params, repeats=repeats, warmup=1)
 
 
-CASES = [_case((4096, 4096), repeats=4), _case((11008, 4096), repeats=3)]
+CASES = [_case((4096, 4096), repeats=7), _case((11008, 4096), repeats=5)]

@@ -54,7 +54,8 @@ class Goal:
     """What a case should show, checked from the measured numbers.
 
     ``metric="ratio"``: ``ratio_vs_anchor`` of ``impl`` must be ``<= max_ratio`` (e.g. 0.5 for "at
-    least 2x faster than the anchor"); ``metric="exponent"``: the fitted growth exponent of a growth case
+    least 2x faster than the anchor"), or, with ``versus``, the ratio of the medians of ``impl`` and
+    that other implementation; ``metric="exponent"``: the fitted growth exponent of a growth case
     must lie within ``tol`` of the case's ``expected_exponent``; ``metric="seconds"``: the median time
     of ``impl`` must be ``<= max_seconds`` (an absolute budget, e.g. the CLI's start-up). ``text`` says
     the goal in words.
@@ -66,6 +67,7 @@ class Goal:
     max_ratio: float | None = None
     tol: float = 0.5
     max_seconds: float | None = None
+    versus: str | None = None
 
     def __post_init__(self) -> None:
         if self.metric not in ("ratio", "exponent", "seconds"):
@@ -79,7 +81,12 @@ class Goal:
         """Met (True/False) on a result entry of :func:`run_module`; None if the entry lacks the number."""
         if self.metric == "ratio":
             t = entry.get("time", {}).get(self.impl)
-            return None if t is None else bool(t["ratio_vs_anchor"] <= self.max_ratio)
+            if t is None:
+                return None
+            if self.versus is not None:  # against another implementation of the case, not the anchor
+                v = entry.get("time", {}).get(self.versus)
+                return None if v is None else bool(t["median_s"] <= self.max_ratio * v["median_s"])
+            return bool(t["ratio_vs_anchor"] <= self.max_ratio)
         if self.metric == "seconds":
             t = entry.get("time", {}).get(self.impl)
             return None if t is None else bool(t["median_s"] <= self.max_seconds)
@@ -90,7 +97,7 @@ class Goal:
 
     def to_json(self) -> dict[str, Any]:
         return {"text": self.text, "metric": self.metric, "impl": self.impl, "max_ratio": self.max_ratio,
-                "tol": self.tol, "max_seconds": self.max_seconds}
+                "tol": self.tol, "max_seconds": self.max_seconds, "versus": self.versus}
 
 
 @dataclass
@@ -128,6 +135,8 @@ class Case:
         for g in self.goals:
             if g.metric in ("ratio", "seconds") and g.impl not in self.impls:
                 raise ValueError(f"case {self.name!r}: goal on unknown implementation {g.impl!r}")
+            if g.versus is not None and g.versus not in self.impls:
+                raise ValueError(f"case {self.name!r}: goal versus unknown implementation {g.versus!r}")
             if g.metric == "exponent" and self.sizes is None:
                 raise ValueError(f"case {self.name!r}: an exponent goal needs a growth case (sizes=...)")
 

@@ -85,7 +85,8 @@ def _case_rows(entry: dict[str, Any]) -> list[str]:
     by_impl: dict[str, list[str]] = {}
     for g, m in zip(goals, met):
         if g.get("metric") == "ratio":
-            by_impl.setdefault(g["impl"], []).append(f"{g['text']} (ratio <= {g['max_ratio']:g}): {_met(m)}")
+            vs = f" vs {g['versus']}" if g.get("versus") else ""
+            by_impl.setdefault(g["impl"], []).append(f"{g['text']} (ratio{vs} <= {g['max_ratio']:g}): {_met(m)}")
         elif g.get("metric") == "seconds":
             by_impl.setdefault(g["impl"], []).append(f"{g['text']} (median <= {g['max_seconds']:g} s): {_met(m)}")
     rep = entry.get("repeats")
