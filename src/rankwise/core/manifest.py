@@ -26,6 +26,7 @@ REGISTERED: dict[str, str] = {
     'psoft': 'rankwise.adapt.psoft.model',
     'racs_alice': 'rankwise.train.racs_alice',
     'rank_clustering': 'rankwise.science.rank_clustering.algorithm',
+    'ranktuner': 'rankwise.train.ranktuner',
     'riemannian_lora': 'rankwise.train.riemannian_lora',
     'root_purge': 'rankwise.science.root_purge',
     'saes_svd': 'rankwise.compress.saes_svd',
