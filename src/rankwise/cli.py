@@ -10,6 +10,7 @@ Verbs::
     rankwise finetune --method M [--task NAME | --model DIR --data FILE] [--out DIR]
     rankwise merge --method M --rank R ADAPTER_DIR ... --out DIR
     rankwise federate --method M [--clients N] [--rounds R]
+    rankwise continual --method eblora|lora|olora|inflora --tasks A,B,... [--resume DIR] --out DIR
     rankwise codec encode IMG.png [--scales K] -o X.arpc | codec decode X.arpc -o OUT.png [--complete argmax|sample|zeros]
 
 ``--quiet`` (before the verb) turns off progress bars and commentary; progress bars are also off

@@ -430,7 +430,7 @@ def test_lokr_alignment_is_bounded_by_the_unconstrained_kronecker_energy():
 
 
 def test_negation_task_is_balanced_disjoint_and_labelled_by_the_rule():
-    from rankwise.repro.cdka import FOODS, NEGATIVE, negation_task
+    from rankwise.repro.kit.negation import FOODS, NEGATIVE, negation_task
 
     train, test = negation_task(3, 200, 100)
     assert len(train) == 200 and len(test) == 100
