@@ -8,7 +8,10 @@ from another paper's module):
   matrix group, with a warning), the non-finite gradient policy (``nonfinite="skip"`` records and
   warns, ``"raise"`` raises :class:`~rankwise.core.errors.NumericalError`), shape checks between
   steps, decoupled weight decay. A subclass implements ``_validate_method(group, index)``,
-  ``_matrix_step(p, grad, state, group)`` and optionally ``_check_param(p, group, index)``;
+  ``_matrix_prepare(p, grad, state, group, step)`` (returns a small reduction that is non-finite when the
+  gradient is, checked before anything is written: no separate pass over the gradient) with
+  ``_matrix_apply(p, ctx, state, group)`` -- or only ``_matrix_step(p, grad, state, group)``, checked by
+  ``grad.sum()`` -- and optionally ``_check_param(p, group, index)``;
 * :func:`adamw_step` -- one bias-corrected AdamW update, bit-compatible with ``torch.optim.AdamW``;
 * the RACS pieces that LoRA-S's lifted RACS reuses: :func:`racs_stats_step_` (one warm-started step of
   the row/column fixed point), :func:`racs_scale` (``diag(s+eps)^{-1/2} G diag(q+eps)^{-1/2}``) and the
@@ -44,6 +47,7 @@ __all__ = [
     "norm_growth_limit",
     "optimizer_state_bytes",
     "racs_scale",
+    "racs_stats_step",
     "racs_stats_step_",
     "split_params_for_lowmem",
     "state_dtype",
@@ -119,6 +123,15 @@ def racs_stats_step_(s: torch.Tensor, q: torch.Tensor, g2: torch.Tensor, beta: f
     """
     s.mul_(beta).add_((g2 @ q) / (q @ q).clamp_min(TINY), alpha=1 - beta)
     q.mul_(beta).add_((g2.T @ s) / (s @ s).clamp_min(TINY), alpha=1 - beta)
+
+
+def racs_stats_step(s: torch.Tensor, q: torch.Tensor, g2: torch.Tensor,
+                    beta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`racs_stats_step_` out of place: returns the new ``(s, q)`` and leaves ``s`` and ``q``
+    untouched (bit-identical results), so that a step can be checked before its statistics are stored."""
+    s_new = s.mul(beta).add_((g2 @ q) / (q @ q).clamp_min(TINY), alpha=1 - beta)
+    q_new = q.mul(beta).add_((g2.T @ s_new) / (s_new @ s_new).clamp_min(TINY), alpha=1 - beta)
+    return s_new, q_new
 
 
 def racs_scale(g: torch.Tensor, s: torch.Tensor, q: torch.Tensor, eps: float,
@@ -266,7 +279,8 @@ class LowMemOptimizer(FromConfig, torch.optim.Optimizer):
     """Base of RACS and Alice: group validation, AdamW routing, non-finite policy, shape checks.
 
     Subclasses set ``config_class`` and implement ``_validate_method(group, index)``,
-    ``_check_param(p, group, index)`` and ``_matrix_step(p, grad, state, group)``.
+    ``_check_param(p, group, index)`` and either ``_matrix_prepare`` / ``_matrix_apply`` (the finiteness
+    check folded into the step) or ``_matrix_step(p, grad, state, group)`` (checked by ``grad.sum()``).
     """
 
     method_name = "lowmem"
@@ -354,10 +368,17 @@ class LowMemOptimizer(FromConfig, torch.optim.Optimizer):
                     raise RankwiseError(f"{self.method_name}: parameter {pi} of param group {gi} changed shape "
                                         f"from {tuple(state['shape'])} to {shape} between steps; create a new "
                                         "optimizer after resizing parameters")
-                # one reduction instead of an elementwise isfinite pass: NaN/Inf propagate into the sum
-                # (a finite gradient whose sum overflows float range is treated as non-finite too)
-                if not bool(torch.isfinite(grad.sum())):
-                    step = int(state.get("step", 0)) + 1
+                step = int(state.get("step", 0)) + 1
+                matrix = not group["use_adamw"] and p.ndim >= 2
+                if matrix:
+                    # the finiteness check is folded into the update: the method reduces the gradient
+                    # anyway, NaN/Inf propagate into that small reduction, and nothing is written yet
+                    check, ctx = self._matrix_prepare(p, grad, state, group, step)
+                else:
+                    # one reduction instead of an elementwise isfinite pass (a finite gradient whose
+                    # sum overflows float range is treated as non-finite too)
+                    check, ctx = grad.sum(), None
+                if not bool(torch.isfinite(check).all()):
                     msg = (f"{self.method_name}: non-finite gradient (NaN/Inf) for parameter {pi} of param group "
                            f"{gi}, shape {shape}, at its step {step}")
                     if self.nonfinite == "raise":
@@ -366,18 +387,35 @@ class LowMemOptimizer(FromConfig, torch.optim.Optimizer):
                     warnings.warn(msg + "; its update is skipped", RuntimeWarning, stacklevel=user_stacklevel())
                     continue
                 state["shape"] = shape
-                state["step"] = int(state.get("step", 0)) + 1
+                state["step"] = step
                 lr = float(group["lr"])
                 if group["weight_decay"] != 0:
                     p.mul_(1.0 - lr * group["weight_decay"])
-                if group["use_adamw"] or p.ndim < 2:
-                    self._adamw_step(p, grad, state, group)
+                if matrix:
+                    self._matrix_apply(p, ctx, state, group)
                 else:
-                    self._matrix_step(p, grad, state, group)
+                    self._adamw_step(p, grad, state, group)
         return loss
 
     def _adamw_step(self, p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
         adamw_step(p, grad, state, group)
+
+    def _matrix_prepare(self, p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group: dict[str, Any],
+                        step: int) -> tuple[torch.Tensor, Any]:
+        """The part of the matrix update that reads the gradient, before anything is written.
+
+        Returns ``(check, ctx)``: ``check`` a small tensor (a reduction the update needs anyway) that is
+        non-finite whenever ``grad`` holds a NaN or Inf; ``ctx`` what :meth:`_matrix_apply` needs. It must
+        not modify ``p`` or ``state`` (a skipped step leaves both bit-identical); ``step`` is the step
+        number this update would get. The default is the plain ``grad.sum()`` check around
+        :meth:`_matrix_step`, for subclasses that implement only that.
+        """
+        return grad.sum(), grad
+
+    def _matrix_apply(self, p: torch.Tensor, ctx: Any, state: dict[str, Any], group: dict[str, Any]) -> None:
+        """Write the update prepared by :meth:`_matrix_prepare` (``state["step"]`` is already incremented
+        and the decoupled weight decay applied)."""
+        self._matrix_step(p, ctx, state, group)
 
     def _matrix_step(self, p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any],
                      group: dict[str, Any]) -> None:  # pragma: no cover - abstract

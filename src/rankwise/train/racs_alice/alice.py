@@ -276,7 +276,13 @@ class Alice(LowMemOptimizer):
         r = min(group["rank"], m)
         return r, min(group["leading_basis"], r)
 
-    def _matrix_step(self, p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
+    def _matrix_prepare(self, p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group: dict[str, Any],
+                        step: int) -> tuple[torch.Tensor, Any]:
+        # Nothing is written here. The finiteness check rides on reductions the step needs anyway: the
+        # column energies of the residual G - U sigma (elementwise in G, so every NaN/Inf entry reaches
+        # them) when r < m, else the trace of sigma sigma^T (U square orthogonal: every entry of G
+        # reaches sigma). A switch step (t = 1, then every T steps; eigendecompositions that must not
+        # see a NaN) checks G itself first: one extra pass every T steps instead of every step.
         dtype = state_dtype(p)
         g = grad.reshape(grad.shape[0], -1).to(dtype)
         transposed = g.shape[0] > g.shape[1]
@@ -284,30 +290,56 @@ class Alice(LowMemOptimizer):
             g = g.T
         m, n = g.shape
         r, lead = self._ranks(group, m)
-        beta1, beta2, beta3 = group["betas"]
-        t = state["step"]
+        beta3 = group["betas"][2]
         first = "U" not in state
+        switch = first or step % group["update_interval"] == 0
+        if switch:
+            total = g.sum()
+            if not bool(torch.isfinite(total)):
+                return total, None
+        if first:
+            u, qmat = alice_switch(g, None, None, beta3, lead, r), None
+        elif switch:
+            u_old = state["U"]
+            u = alice_switch(g, u_old, state["Q"], beta3, lead, r)
+            rot = u.T @ u_old
+            qmat = rot @ state["Q"] @ rot.T
+        else:
+            u, qmat = state["U"], state["Q"]
+        sigma = u.T @ g
+        ssq = sigma @ sigma.T
+        resid = colsum = None
+        if m > r:
+            # Compensation (spec step 3) from the explicit residual R = G - U sigma: its column energies
+            # colsum(R^2) equal colsum(G^2) - colsum(sigma^2) for orthonormal U, but the direct form does
+            # not lose the small residual of a well-captured column to cancellation.
+            resid = g - u @ sigma
+            colsum = resid.square().sum(dim=0)
+            check = colsum.sum()
+        else:
+            check = torch.trace(ssq)
+        return check, (g, transposed, first, switch, u, qmat, sigma, ssq, resid, colsum)
+
+    def _matrix_apply(self, p: torch.Tensor, ctx: Any, state: dict[str, Any], group: dict[str, Any]) -> None:
+        g, transposed, first, switch, u_new, qmat, sigma, ssq, resid, colsum = ctx
+        dtype = g.dtype
+        m, n = g.shape
+        r = u_new.shape[1]
+        beta1, beta2, beta3 = group["betas"]
         if first:
             state["Q"] = torch.zeros(r, r, dtype=dtype, device=p.device)
             state["M"] = torch.zeros(r, n, dtype=dtype, device=p.device)
             state["V"] = torch.zeros(r, n, dtype=dtype, device=p.device)
             state["p"] = torch.zeros(n, dtype=dtype, device=p.device)
             state["phi"] = torch.zeros((), dtype=dtype, device=p.device)
-            state["U"] = alice_switch(g, None, None, beta3, lead, r)
-        elif t % group["update_interval"] == 0:
-            u_old = state["U"]
-            u_new = alice_switch(g, u_old, state["Q"], beta3, lead, r)
-            rot = u_new.T @ u_old
-            state["Q"] = rot @ state["Q"] @ rot.T
+            state["U"] = u_new
+        elif switch:
+            state["Q"] = qmat
             state["U"] = u_new
         u, q, mom, var, pc, phi = (state[k] for k in ("U", "Q", "M", "V", "p", "phi"))
-        sigma = u.T @ g
-        q.mul_(beta3).add_(sigma @ sigma.T, alpha=1 - beta3)
+        q.mul_(beta3).add_(ssq, alpha=1 - beta3)
         mom.lerp_(sigma, 1 - beta1)
         var.mul_(beta2).addcmul_(sigma, sigma, value=1 - beta2)
-        # Compensation (spec step 3) from the explicit residual R = G - U sigma: its column energies
-        # colsum(R^2) equal colsum(G^2) - colsum(sigma^2) for orthonormal U, but the direct form does not
-        # lose the small residual of a well-captured column to cancellation.
         k = math.sqrt(m - r) if m > r else 0.0
         scale = -float(group["lr"]) * group["alpha"]
         inner = mom / (var.sqrt() + group["eps"]) * scale  # (r, n)
@@ -315,8 +347,7 @@ class Alice(LowMemOptimizer):
         if pv is not None and transposed:
             pv = pv.T
         if k > 0:
-            resid = g - u @ sigma
-            pc.mul_(beta1).add_(resid.square().sum(dim=0), alpha=1 - beta1).clamp_(min=_P_FLOOR)
+            pc.mul_(beta1).add_(colsum, alpha=1 - beta1).clamp_(min=_P_FLOOR)
             d = torch.rsqrt(pc)
             resid.mul_(d.unsqueeze(0))  # R D
             norm = k * torch.linalg.vector_norm(resid)

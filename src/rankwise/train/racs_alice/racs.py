@@ -50,7 +50,7 @@ from rankwise.train.lowmem_base import (
     lowmem_entry,
     norm_growth_limit,
     racs_scale,
-    racs_stats_step_,
+    racs_stats_step,
     state_dtype,
 )
 
@@ -157,26 +157,41 @@ class RACS(LowMemOptimizer):
         check_number(f"{where}gamma", group["gamma"], 1.0)
         check_bool(f"{where}normalize", group["normalize"])
 
-    def _matrix_step(self, p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group: dict[str, Any]) -> None:
+    def _matrix_prepare(self, p: torch.Tensor, grad: torch.Tensor, state: dict[str, Any], group: dict[str, Any],
+                        step: int) -> tuple[torch.Tensor, Any]:
+        # The new statistics and G_hat are computed out of place (s and q are m + n floats), so a
+        # NaN/Inf entry of G, which always reaches ||G_hat||_F through the elementwise G_hat, is caught
+        # by checking that one scalar before s, q or phi is written.
         dtype = state_dtype(p)
         g = grad.reshape(grad.shape[0], -1).to(dtype)
         m, n = g.shape
-        if "s" not in state:
-            state["s"] = torch.zeros(m, dtype=dtype, device=p.device)
-            state["q"] = torch.ones(n, dtype=dtype, device=p.device)
-            state["phi"] = torch.zeros((), dtype=dtype, device=p.device)
-        s, q, phi = state["s"], state["q"], state["phi"]
+        if "s" in state:
+            s, q = state["s"], state["q"]
+        else:
+            s = torch.zeros(m, dtype=dtype, device=p.device)
+            q = torch.ones(n, dtype=dtype, device=p.device)
         beta = group["beta"]
         g2 = g.square()
         if group["normalize"]:
             # One warm-started step of the fixed point s = V q / ||q||^2, q = V^T s / ||s||^2 (eq. for
             # the Frobenius-optimal diag(q) (x) diag(s) fit), with V replaced by the EMA of G (.) G.
-            racs_stats_step_(s, q, g2, beta)
+            s_new, q_new = racs_stats_step(s, q, g2, beta)
         else:
-            s.lerp_(g2.mean(dim=1), 1 - beta)
-            q.lerp_(g2.mean(dim=0), 1 - beta)
-        g_hat = racs_scale(g, s, q, group["eps"], out=g2)  # reuses the G (.) G buffer
+            s_new = torch.lerp(s, g2.mean(dim=1), 1 - beta)
+            q_new = torch.lerp(q, g2.mean(dim=0), 1 - beta)
+        g_hat = racs_scale(g, s_new, q_new, group["eps"], out=g2)  # reuses the G (.) G buffer
         norm = torch.linalg.vector_norm(g_hat)
+        return norm, (s_new, q_new, g_hat, norm)
+
+    def _matrix_apply(self, p: torch.Tensor, ctx: Any, state: dict[str, Any], group: dict[str, Any]) -> None:
+        s_new, q_new, g_hat, norm = ctx
+        if "s" not in state:
+            state["s"], state["q"] = s_new, q_new
+            state["phi"] = torch.zeros((), dtype=s_new.dtype, device=s_new.device)
+        else:
+            state["s"].copy_(s_new)
+            state["q"].copy_(q_new)
+        phi = state["phi"]
         eta = norm_growth_limit(norm, phi, group["gamma"])
         phi.copy_(eta * norm)
         coeff = eta * (-float(group["lr"]) * group["alpha"])
@@ -184,7 +199,6 @@ class RACS(LowMemOptimizer):
             p.addcmul_(g_hat.view_as(p), coeff.to(p.dtype))
         else:
             p.add_((g_hat * coeff).view_as(p).to(p.dtype))
-
 
 def _entry(model: nn.Module, config: RACSConfig | None = None, other_lr: float | None = None) -> RACS:
     """RACS on the model's 2-D block weights and AdamW (``other_lr``, default ``config.lr``) elsewhere."""
