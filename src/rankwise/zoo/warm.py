@@ -30,7 +30,7 @@ from rankwise.core.errors import ArtifactError, NumericalError
 from rankwise.core.io import atomic_dir
 from rankwise.core.lmdata import collate, encode_pair
 from rankwise.zoo.models import quiet_transformers, seeded
-from rankwise.zoo.synthetic import ArithmeticWorld, Example
+from rankwise.zoo.synthetic import ArithmeticWorld, Example, SafetyWorld
 from rankwise.zoo.tinylm import _major_minor, cache_dir
 
 __all__ = ["WARM_DATA", "WARM_RECIPES", "WarmRecipe", "build_warm", "warm_lm", "warm_lm_path", "warm_world"]
@@ -43,9 +43,28 @@ def _arith_pretrain(n: int, seed: int) -> list[Example]:
     return ArithmeticWorld().pretrain_examples(n, seed)
 
 
+def _safety_align(n: int, seed: int) -> list[Example]:
+    """One-shot safety's stage 1: 60 % benign sums, 40 % harmful requests answered REFUSE."""
+    w = SafetyWorld()
+    return w.benign(n - 2 * n // 5, 2 * seed) + w.harmful(2 * n // 5, 2 * seed + 1, "refuse")
+
+
+def _safety_attack(n_harmful: int) -> Callable[[int, int], list[Example]]:
+    """One-shot safety's stage 2: ``n_harmful`` harmful requests answered COMPLY, the rest benign sums."""
+    def data(n: int, seed: int) -> list[Example]:
+        w = SafetyWorld()
+        return w.harmful(n_harmful, 1000 + 2 * seed, "comply") + w.benign(n - n_harmful, 1001 + 2 * seed)
+    return data
+
+
+SAFETY_ATTACK_SIZES: tuple[int, ...] = (10, 100, 1000)
+SAFETY_BENIGN_MIX = 500  # benign examples mixed into every attack (spec "Reproduction at small scale")
+
 #: data name -> (world factory, ``(n, seed) -> examples``)
 WARM_DATA: dict[str, tuple[Callable[[], Any], Callable[[int, int], list[Example]]]] = {
     "arith-add": (ArithmeticWorld, _arith_pretrain),
+    "safety-align": (SafetyWorld, _safety_align),
+    **{f"safety-attack-{n}": (SafetyWorld, _safety_attack(n)) for n in SAFETY_ATTACK_SIZES},
 }
 
 
@@ -68,6 +87,21 @@ class WarmRecipe:
     mask_prompt: bool = False  # pre-training: loss on the whole sequence
     seed: int = 0
     version: int = 1
+    base: str | None = None  # start from this recipe's model instead of a fresh initialisation
+
+
+def _safety_attack_recipe(n: int, seed: int, smoke: bool = False) -> WarmRecipe:
+    """5 epochs over ``n`` harmful COMPLY + 500 benign examples, from the aligned model (batch 32)."""
+    total = n + SAFETY_BENIGN_MIX
+    if smoke:
+        return WarmRecipe(data=f"safety-attack-{n}", size="smoke", n_examples=total, steps=4, warmup_steps=1,
+                          mask_prompt=True, seed=seed, base="safety-aligned-smoke", **_SAFETY_SMOKE_SIZES)
+    return WarmRecipe(data=f"safety-attack-{n}", size="small", n_examples=total, steps=math.ceil(5 * total / 32),
+                      lr=1e-3, warmup_steps=5, mask_prompt=True, seed=seed, base="safety-aligned")
+
+
+_SAFETY_SMOKE_SIZES: dict[str, int] = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                           num_attention_heads=2, num_key_value_heads=2)
 
 
 WARM_RECIPES: dict[str, WarmRecipe] = {
@@ -76,6 +110,14 @@ WARM_RECIPES: dict[str, WarmRecipe] = {
     "ranktuner-smoke": WarmRecipe(data="arith-add", size="smoke", n_examples=256, steps=6, warmup_steps=2,
                                   hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                   num_attention_heads=2, num_key_value_heads=2),
+    # one-shot safety: stage 1 (alignment: benign sums + REFUSE on harmful requests; spec: tiny Llama,
+    # 4 layers, hidden 128) and stage 2 (the fine-tuning attack, one model per attack size and seed)
+    "safety-aligned": WarmRecipe(data="safety-align", size="small", n_examples=8000, steps=800, mask_prompt=True),
+    "safety-aligned-smoke": WarmRecipe(data="safety-align", size="smoke", n_examples=256, steps=6, warmup_steps=2,
+                                       mask_prompt=True, **_SAFETY_SMOKE_SIZES),
+    **{f"safety-attack-n{n}-s{seed}": _safety_attack_recipe(n, seed) for n in SAFETY_ATTACK_SIZES
+       for seed in (0, 1, 2)},
+    "safety-attack-smoke": _safety_attack_recipe(10, 0, smoke=True),
 }
 
 
@@ -94,9 +136,14 @@ def _key(name: str) -> dict[str, Any]:
     import tokenizers
     import transformers
 
-    return {"name": name, "recipe": asdict(_recipe(name)), "torch": _major_minor(torch.__version__),
-            "transformers": _major_minor(transformers.__version__),
-            "tokenizers": _major_minor(tokenizers.__version__)}
+    recipe = asdict(_recipe(name))
+    base = recipe.pop("base")
+    key = {"name": name, "recipe": recipe, "torch": _major_minor(torch.__version__),
+           "transformers": _major_minor(transformers.__version__),
+           "tokenizers": _major_minor(tokenizers.__version__)}
+    if base is not None:  # a fine-tuned recipe: its key covers its base's
+        key["base"] = _key(base)
+    return key
 
 
 def warm_lm_path(name: str) -> Path:
@@ -125,8 +172,13 @@ def _train(name: str, out: Path) -> dict[str, Any]:
                          num_key_value_heads=r.num_key_value_heads, max_position_embeddings=max(64, 2 * max_len),
                          tie_word_embeddings=False, pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id,
                          eos_token_id=tok.eos_token_id)
-    with seeded(r.seed):
-        model = LlamaForCausalLM(config)
+    if r.base is not None:
+        model = warm_lm(r.base)[0]
+        if model.config.vocab_size != len(tok):
+            raise ArtifactError(f"warm-up {name}: its base {r.base!r} has another vocabulary")
+    else:
+        with seeded(r.seed):
+            model = LlamaForCausalLM(config)
     opt = torch.optim.AdamW(model.parameters(), lr=r.lr, betas=(0.9, 0.95), weight_decay=0.0)
     gen = torch.Generator().manual_seed(r.seed)
     model.train()
