@@ -240,7 +240,10 @@ class OneShotSafetyPatch:
         if self.config.grad_clip is not None:
             torch.nn.utils.clip_grad_norm_(list(params.values()), self.config.grad_clip)
         olds = {n: params[n].detach().clone() for n, uv in subspaces.items() if any(x is not None for x in uv)}
-        opt.step()
+        try:
+            opt.step()
+        except RuntimeError as e:  # e.g. an overflow inside the optimizer at an absurd learning rate
+            restore(f"the optimizer step {res.steps} failed ({' '.join(str(e).split())[:120]})")
         res.steps += 1
         with torch.no_grad():
             for n, (U, V) in subspaces.items():
