@@ -301,16 +301,19 @@ class SafetyOneShotReproduction(Reproduction[SafetyOneShotSettings, dict]):
 
     def figures(self, s: SafetyOneShotSettings, records: Records[dict], out_dir: Path) -> list[str]:
         plt = pyplot()
-        fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 4))
+        fig, (ax1, ax0, ax2, ax3) = plt.subplots(1, 4, figsize=(20, 4))
         rows = [r for r in ROWS if r != "multi-example" or s.n_multi]
         width = 0.8 / len(s.attack_sizes)
-        for j, n in enumerate(s.attack_sizes):
-            vals = [statistics.fmean((r["aligned"] if row == "aligned" else r["attacks"][n][row])["asr"]
-                                     for r in records) for row in rows]
-            ax1.bar([i + j * width for i in range(len(rows))], vals, width, label=f"N={n}")
-        ax1.set_xticks([i + 0.4 - width / 2 for i in range(len(rows))], rows, rotation=30, ha="right")
-        ax1.set_ylabel("attack success rate (held-out harmful)")
-        ax1.legend()
+        for ax, key, label in ((ax1, "asr", "attack success rate (held-out harmful)"),
+                               (ax0, "utility", "utility (benign exact match)")):
+            for j, n in enumerate(s.attack_sizes):
+                vals = [statistics.fmean((r["aligned"] if row == "aligned" else r["attacks"][n][row])[key]
+                                         for r in records) for row in rows]
+                ax.bar([i + j * width for i in range(len(rows))], vals, width, label=f"N={n}")
+            ax.set_xticks([i + 0.4 - width / 2 for i in range(len(rows))], rows, rotation=30, ha="right")
+            ax.set_ylabel(label)
+            ax.set_ylim(0, 1.05)
+            ax.legend()
         ks = list(range(1, 17))
         for key, label in (("energy_curve", "safety example"), ("energy_curve_benign", "benign example")):
             curve = [statistics.fmean(r["attacks"][n][key][i] for r in records for n in s.attack_sizes)
