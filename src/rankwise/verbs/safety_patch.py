@@ -126,7 +126,7 @@ def safety_patch_command(model: str | None, example: Path, out: Path, rank: int 
         patcher.save(tmp / DELTA_FILE)
         (tmp / REPORT_FILE).write_text(json.dumps(report, indent=2), encoding="utf-8")
 
-    write_dir(out, fill, overwrite=True if overwrite else False)
+    write_dir(out, fill, overwrite=overwrite)
     return report
 
 

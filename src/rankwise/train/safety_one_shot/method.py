@@ -117,9 +117,14 @@ class OneShotSafetyPatch:
             self.selection_scores = [1.0 if j == i else 0.0 for j in range(len(candidates))]
             return candidates[i]
         if rule == "loss":
-            with torch.no_grad():
-                scores = [float(self._nll(encode_examples(self.tokenizer, [c], self.config.add_eos)))
-                          for c in candidates]
+            was = self.model.training
+            self.model.eval()
+            try:
+                with torch.no_grad():
+                    scores = [float(self._nll(encode_examples(self.tokenizer, [c], self.config.add_eos)))
+                              for c in candidates]
+            finally:
+                self.model.train(was)
         else:
             if reference_state is None:
                 raise ValueError("select_example(rule='antagonism') needs reference_state (the aligned model's "
