@@ -348,7 +348,8 @@ class SafetyOneShotReproduction(Reproduction[SafetyOneShotSettings, dict]):
                 f"informative comparison is with a benign example of the same target length: median effective rank "
                 f"{er_s:.2f} (safety) vs {er_b:.2f} (benign), and cos with Delta_h {cos_b:+.3f} for the benign "
                 f"example's gradient. Every patch row has the same budget (10 AdamW steps at lr {s.lr}); the "
-                f"multi-example row uses {s.n_multi} examples per step. Quick mode: N = 100, seed 0 (the spec's).")
+                f"multi-example row uses {s.n_multi} examples per step. Quick mode runs the spec's N = 100 and seed 0 "
+                f"only; full mode N in (10, 100, 1000) and seeds 0-2.")
 
 
 def _mean2(samples: list[list[float]]) -> float:
