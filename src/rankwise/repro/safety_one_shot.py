@@ -101,7 +101,9 @@ class SafetyOneShotSettings(Settings):
     n_test: int = setting(200, "held-out harmful prompts (ASR) and benign prompts (utility)", lo=1)
     n_candidates: int = setting(20, "refusal examples the one example is selected from", lo=1)
     epochs: int = setting(10, "patch epochs = optimizer steps (every patch row)", lo=0)
-    lr: float = setting(1e-3, "AdamW learning rate (every patch row)", lo=0.0)
+    optimizer: str = setting("adamw", "patch optimizer (every patch row; the spec's is AdamW)",
+                             choices=("adamw", "sgd"))
+    lr: float = setting(1e-3, "learning rate (every patch row)", lo=0.0)
     stop_nll: float = setting(0.05, "early stop when the safety NLL is below this", lo=0.0)
     rank: int = setting(8, "projection rank k of the projected patch and of the energy claim", lo=1)
     n_multi: int = setting(100, "refusal examples of the multi-example baseline (0: no such row)", lo=0)
@@ -161,7 +163,7 @@ class SafetyOneShotReproduction(Reproduction[SafetyOneShotSettings, dict]):
         multi = world.harmful(s.n_multi, 8000 + seed, "refuse") if s.n_multi else []
         # a benign example whose target has the refusal's length (one answer token + EOS), for the spectrum
         benign_ref = next(e for e in world.benign(50, 9000 + seed) if len(e.meta["answer"].split()) == 1)
-        cfg = SafetyPatchConfig(epochs=s.epochs, lr=s.lr, stop_nll=s.stop_nll)
+        cfg = SafetyPatchConfig(epochs=s.epochs, lr=s.lr, stop_nll=s.stop_nll, optimizer=s.optimizer)
         rec: dict[str, Any] = {"aligned": _eval(aligned, tok, harmful, benign, s), "attacks": {}}
         ref_state = aligned.state_dict()
         for n in s.attack_sizes:
@@ -347,7 +349,7 @@ class SafetyOneShotReproduction(Reproduction[SafetyOneShotSettings, dict]):
                 f"10), so the energy and intrinsic-dimension claims hold by construction at this scale; the "
                 f"informative comparison is with a benign example of the same target length: median effective rank "
                 f"{er_s:.2f} (safety) vs {er_b:.2f} (benign), and cos with Delta_h {cos_b:+.3f} for the benign "
-                f"example's gradient. Every patch row has the same budget (10 AdamW steps at lr {s.lr}); the "
+                f"example's gradient. Every patch row has the same budget ({s.epochs} {s.optimizer} steps at lr {s.lr}); the "
                 f"multi-example row uses {s.n_multi} examples per step. Quick mode runs the spec's N = 100 and seed 0 "
                 f"only; full mode N in (10, 100, 1000) and seeds 0-2.")
 
