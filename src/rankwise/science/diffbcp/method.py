@@ -238,7 +238,7 @@ def _loop(cfg: DiffBCPConfig, images: Sequence[Tensor], masks: Sequence[Tensor],
             rhos.append(rho)
             zs.append(z)
         if coupled:
-            x, steps = prior.denoise(torch.stack(zs).float(), torch.tensor(rhos), gen)
+            x, steps = prior.denoise(torch.stack(zs).float(), torch.tensor(rhos, dtype=torch.float64), gen)
             for i, r in enumerate(runs):
                 r.x = x[i].double()
                 r.res.steps_trace.append(int(steps[i]))
