@@ -57,10 +57,30 @@ def test_patch_bad_sizes_name_them(kw, msg) -> None:
 
 
 # ------------------------------------------------------------------------------------ CP block
-def test_plain_bcp_recovers_fully_observed_noise_free_rank3() -> None:
+@pytest.mark.parametrize("update", ["component", "block"])
+def test_plain_bcp_recovers_fully_observed_noise_free_rank3(update) -> None:
     X, _ = _rank3(10)
-    res = db.BayesianCP(db.CUSPConfig(init_rank=8)).fit(X, torch.ones_like(X), sweeps=200, seed=0)
+    res = db.BayesianCP(db.CUSPConfig(init_rank=8, weight_update=update)).fit(X, torch.ones_like(X), sweeps=200, seed=0)
     assert res.relative_error(X) < 1e-3
+
+
+def test_weight_update_by_component_uses_the_conditional_of_each_weight() -> None:
+    """With one component the per-component and the block conditionals coincide: same draw for one seed."""
+    X, g = _rank3(6, R=1)
+    M = (torch.rand(X.shape, generator=g) < 0.5).double()
+    out = []
+    for update in ("component", "block"):
+        rng = np.random.default_rng(0)
+        cfg = db.CUSPConfig(init_rank=1, weight_update=update, adaptive=False)
+        st = cusp.init_state(tuple(X.shape), cfg, rng)
+        st.tau = 50.0
+        T = cusp.khatri_rao(st.factors)
+        if update == "component":
+            out.append(cusp._weights_by_component(st, T, (X * M).reshape(-1), M.reshape(-1), None, 0.0, rng))
+        else:
+            prec, rhs = cusp.weight_posterior((X * M).reshape(-1), M.reshape(-1), T, st.theta, st.tau)
+            out.append(cusp.draw_gaussian(prec, rhs, rng))
+    assert torch.allclose(out[0], out[1], rtol=1e-9, atol=1e-12)
 
 
 def test_row_update_mean_is_the_ridge_solution_and_precision_is_spd() -> None:

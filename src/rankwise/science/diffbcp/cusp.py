@@ -66,6 +66,7 @@ class CUSPConfig:
     contribution_tol: float = 0.01
     init_scale: float = 0.1
     adaptive: bool = True
+    weight_update: str = "component"
 
     def __post_init__(self) -> None:
         n = type(self).__name__
@@ -78,6 +79,8 @@ class CUSPConfig:
         check_number(f"{n}.contribution_tol", self.contribution_tol, 0.0, 1.0, high_open=True)
         if self.max_rank is not None:
             check_int(f"{n}.max_rank", self.max_rank, self.init_rank)
+        if self.weight_update not in ("component", "block"):
+            raise ValueError(f"{n}.weight_update must be 'component' or 'block', got {self.weight_update!r}")
         if not isinstance(self.adaptive, bool):
             raise ValueError(f"{n}.adaptive must be a bool, got {self.adaptive!r}")
 
@@ -225,6 +228,25 @@ def _log_spike_slab(lam: np.ndarray, cfg: CUSPConfig) -> tuple[np.ndarray, np.nd
     return spike, slab
 
 
+def _weights_by_component(st: CPState, T: Tensor, y: Tensor, m: Tensor, x: Tensor | None, kappa: float,
+                          rng: np.random.Generator) -> Tensor:
+    """Spec step 1, component by component: ``P_r = 1/theta_r + tau sum_O T_r^2 + kappa sum T_r^2``,
+    mean ``P_r^-1 (tau sum_O T_r (y - X_-r) + kappa sum T_r (x - X_-r))``."""
+    lam = st.lam.clone()
+    X = T @ lam
+    for r in range(lam.numel()):
+        t = T[:, r]
+        X_r = X - lam[r] * t
+        prec = 1.0 / float(st.theta[r]) + st.tau * float((m * t * t).sum())
+        num = st.tau * float((m * t * (y - X_r)).sum())
+        if kappa > 0.0 and x is not None:
+            prec += kappa * float((t * t).sum())
+            num += kappa * float((t * (x - X_r)).sum())
+        lam[r] = num / prec + rng.standard_normal() / math.sqrt(prec)
+        X = X_r + lam[r] * t
+    return lam
+
+
 def sweep(st: CPState, Y: Tensor, M: Tensor, cfg: CUSPConfig, rng: np.random.Generator,
           x: Tensor | None = None, kappa: float = 0.0) -> CPState:
     """One Gibbs sweep (spec steps 1-7) in place; returns ``st``. ``Y``/``M``: data and 0/1 mask (same
@@ -232,10 +254,13 @@ def sweep(st: CPState, Y: Tensor, M: Tensor, cfg: CUSPConfig, rng: np.random.Gen
     N = Y.dim()
     y, m = Y.reshape(-1), M.reshape(-1)
     xf = x.reshape(-1) if x is not None else None
-    # 1. weights (jointly: the exact conditional of the block)
+    # 1. weights: one component at a time (spec), or jointly (the exact conditional of the block)
     T = khatri_rao(st.factors)
-    prec, rhs = weight_posterior(y, m, T, st.theta, st.tau, xf, kappa)
-    st.lam = draw_gaussian(prec, rhs, rng, "CP weights")
+    if cfg.weight_update == "block":
+        prec, rhs = weight_posterior(y, m, T, st.theta, st.tau, xf, kappa)
+        st.lam = draw_gaussian(prec, rhs, rng, "CP weights")
+    else:
+        st.lam = _weights_by_component(st, T, y, m, xf, kappa, rng)
     # 2. factor rows, mode by mode
     for n in range(N):
         B = khatri_rao(st.factors, n, st.lam)
