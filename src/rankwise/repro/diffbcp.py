@@ -130,6 +130,8 @@ class DiffBCPReproduction(Reproduction[DiffBCPSettings, dict]):
             rec["images"]["observed"] = [torch.where(m.bool(), y, torch.full_like(y, float("nan"))).float().tolist()
                                          for y, m in zip(ys[:4], masks[:4])]
             rec["images"]["DiffBCP std"] = [r.std.float().tolist() for r in results["DiffBCP"][:4]]
+            rec["active_final"] = {k: _mean([r.rank_z_trace[-1] for r in results[k]]) for k in ("DiffBCP", "BCP-CUSP")}
+            rec["noise_std_final"] = {k: _mean([r.noise_std for r in results[k]]) for k in ("DiffBCP", "BCP-CUSP")}
             rec["als_iters"] = [a.all_iterations for a in als]
             rec["als_converged"] = [a.converged for a in als]
             rec["cpu_s"] = {k: sum(r.cpu_s for r in v) / len(v) for k, v in results.items()}
@@ -304,6 +306,16 @@ class DiffBCPReproduction(Reproduction[DiffBCPSettings, dict]):
         parts.append(f"Synthetic (seed {records.seeds[0]}): contribution rank {syn['rank']}, CUSP active count "
                      f"{syn['rank_z']}, relative error {syn['rel_err']:.4f}, noise std {syn['noise_std']:.4f}, "
                      f"{syn['cpu_s']:.1f} CPU s for {s.synth_sweeps} sweeps.")
+        act = {k: _mean([r["active_final"][k] for r in runs]) for k in ("DiffBCP", "BCP-CUSP")}
+        nstd = {k: _mean([r["noise_std_final"][k] for r in runs]) for k in ("DiffBCP", "BCP-CUSP")}
+        parts.append(f"At the last iteration, CUSP active count (mean over digits): DiffBCP {act['DiffBCP']:.1f}, BCP-CUSP "
+                     f"{act['BCP-CUSP']:.1f}; estimated noise std tau^-1/2: DiffBCP {nstd['DiffBCP']:.2f}, BCP-CUSP "
+                     f"{nstd['BCP-CUSP']:.2f} (true {s.sigma}). With ~26 observed pixels per digit the data barely pull the "
+                     f"weights out of the spike (theta_inf = 1e-3): the CP block stays near the zero image, tau stays small and "
+                     f"rho = sqrt(c / tau) stays far above sqrt(c) sigma, so DiffBCP's diffusion block starts from high noise. "
+                     f"Constant fill at the observed mean: {t.mean('constant fill', 'psnr_db'):.2f} dB; 10 % observed is the "
+                     f"regime where low rank alone fails (the paper's premise), not a broken baseline: BCP-CUSP recovers the "
+                     f"synthetic tensor, and on these digits it reaches about 14-16 dB at 20 % observed (docs/methods/diffbcp.md).")
         if s.recipe == "smoke":
             parts.append("Smoke: an untrained tiny prior in memory; the numbers check the wiring only.")
         return " ".join(parts)
