@@ -16,7 +16,7 @@ Everything here runs on float64 torch tensors; randomness comes from one ``numpy
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -101,7 +101,6 @@ class CPState:
     v: np.ndarray
     tau: float
     t: int = 0
-    history: dict[str, list[float]] = field(default_factory=dict)
 
     @property
     def rank(self) -> int:
