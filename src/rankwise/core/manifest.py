@@ -13,6 +13,7 @@ REGISTERED: dict[str, str] = {
     'cdka': 'rankwise.adapt.cdka.model',
     'ctm': 'rankwise.merge.ctm',
     'daf': 'rankwise.adapt.daf.model',
+    'diffbcp': 'rankwise.science.diffbcp.method',
     'distill_multiindex': 'rankwise.science.distill_multiindex',
     'e2lora': 'rankwise.adapt.e2lora.model',
     'fslora': 'rankwise.federated.fslora',
