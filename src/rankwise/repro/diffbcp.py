@@ -75,7 +75,9 @@ SETTINGS = {
                              als_iter_max=20, als_restarts=0, synth_size=8, synth_init_rank=6, synth_sweeps=20,
                              recipe="smoke"),
     "quick": DiffBCPSettings(seeds=(0,), n_digits=5, observed=(0.1,), iters=20, burn_in=8, n_samples=6),
-    "full": DiffBCPSettings(),
+    # full: quick's K = 20 at 8 digits, both observed fractions, 3 seeds (the class defaults, 20 digits at
+    # K = 60, were sized at 30-50 CPU min from quick's per-image time; this is ~48 image runs, ~7 min)
+    "full": DiffBCPSettings(n_digits=8, iters=20, burn_in=8, n_samples=6),
 }
 
 
