@@ -102,7 +102,7 @@ class PolyNorm(nn.Module):
             if self.training:
                 self.last_v = v.reshape(-1)
             elif self.axis == "per_sample":
-                mv = mu * v.reshape(-1)
+                mv = mu * v.detach().reshape(-1)
                 bad = int(((mv <= 0) | (mv >= b)).sum())
                 if bad:
                     warnings.warn(f"PolyNorm: {bad} sample(s) with mu*v outside (0, k*mu) = (0, {b:g}) "
