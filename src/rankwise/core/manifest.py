@@ -36,6 +36,7 @@ REGISTERED: dict[str, str] = {
     'swift_svd': 'rankwise.compress.swift_svd',
     'token_dynamics': 'rankwise.science.token_dynamics',
     'ub_smoe': 'rankwise.federated.ub_smoe',
+    'uldnet': 'rankwise.science.uldnet.model',
     'vapt': 'rankwise.adapt.vapt.model',
     'winq': 'rankwise.train.qat.winq',
 }

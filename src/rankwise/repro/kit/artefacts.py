@@ -17,6 +17,7 @@ BUILDERS: dict[str, str] = {
     "priorguide": "rankwise.repro.kit.score_models:build",
     "arpc": "rankwise.repro.kit.arpc_codec:build",
     "diffbcp": "rankwise.repro.kit.diffusion_priors:build",
+    "uldnet": "rankwise.repro.kit.uldnet_models:build",
 }
 
 
