@@ -30,10 +30,10 @@ from rankwise.core.errors import ArtifactError, NumericalError
 from rankwise.core.io import atomic_dir
 from rankwise.core.lmdata import collate, encode_pair
 from rankwise.zoo.models import quiet_transformers, seeded
-from rankwise.zoo.synthetic import ArithmeticWorld, Example
+from rankwise.zoo.synthetic import AdditionWorld, ArithmeticWorld, Example
 from rankwise.zoo.tinylm import _major_minor, cache_dir
 
-__all__ = ["WARM_DATA", "WARM_RECIPES", "WarmRecipe", "build_warm", "warm_lm", "warm_lm_path", "warm_world"]
+__all__ = ["ADDITION_SPLIT", "WARM_DATA", "addition_split", "WARM_RECIPES", "WarmRecipe", "build_warm", "warm_lm", "warm_lm_path", "warm_world"]
 
 logger = logging.getLogger(__name__)
 _RECORD = "rankwise_warm.json"
@@ -43,9 +43,28 @@ def _arith_pretrain(n: int, seed: int) -> list[Example]:
     return ArithmeticWorld().pretrain_examples(n, seed)
 
 
+#: Lopti's 2-digit addition: (training problems, held-out problems, split seed). The warm-up and the
+#: RL prompts use the training problems; the reproduction evaluates on the held-out ones.
+ADDITION_SPLIT = (7600, 500, 0)
+ADDITION_NOISE = 0.3  # the spec's noisy warm-up labels: 30 % of the answers off by one in a digit
+
+
+def addition_split() -> tuple[list[int], list[int]]:
+    """The (training, held-out) problem indices of Lopti's :class:`AdditionWorld` (disjoint, seeded)."""
+    n_train, n_test, seed = ADDITION_SPLIT
+    return AdditionWorld().split(n_train, n_test, seed)
+
+
+def _addition_noisy(n: int, seed: int) -> list[Example]:
+    train, _ = addition_split()
+    idx = torch.randint(0, len(train), (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return AdditionWorld().examples([train[i] for i in idx], seed=seed, noise=ADDITION_NOISE)
+
+
 #: data name -> (world factory, ``(n, seed) -> examples``)
 WARM_DATA: dict[str, tuple[Callable[[], Any], Callable[[int, int], list[Example]]]] = {
     "arith-add": (ArithmeticWorld, _arith_pretrain),
+    "addition-noisy": (AdditionWorld, _addition_noisy),
 }
 
 
@@ -76,6 +95,13 @@ WARM_RECIPES: dict[str, WarmRecipe] = {
     "ranktuner-smoke": WarmRecipe(data="arith-add", size="smoke", n_examples=256, steps=6, warmup_steps=2,
                                   hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                   num_attention_heads=2, num_key_value_heads=2),
+    # Lopti's warm-up policy: SFT on noisy 2-digit addition, stopped while greedy exact match is partial
+    # (the spec's ~40-60 %), so that the GRPO groups have reward variance
+    "lopti": WarmRecipe(data="addition-noisy", size="small", n_examples=20_000, steps=1500, lr=2e-3,
+                        hidden_size=128, intermediate_size=256, num_hidden_layers=2, mask_prompt=True),
+    "lopti-smoke": WarmRecipe(data="addition-noisy", size="smoke", n_examples=256, steps=6, warmup_steps=2,
+                              hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                              num_key_value_heads=2, mask_prompt=True),
 }
 
 
