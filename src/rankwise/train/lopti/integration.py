@@ -17,6 +17,7 @@ parity of this package's loss with ``GRPOTrainer._compute_loss``.
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
 import warnings
 from pathlib import Path
@@ -83,6 +84,26 @@ def ar_trainer_class() -> type:
     return ARGRPOTrainer
 
 
+@contextlib.contextmanager
+def _quiet() -> Any:
+    """No progress bars or notices from transformers/datasets while TRL builds models (the reference too)."""
+    import datasets
+    from transformers.utils import logging as hf_logging
+
+    state = (hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity(), datasets.is_progress_bar_enabled())
+    hf_logging.disable_progress_bar(), hf_logging.set_verbosity_error(), datasets.disable_progress_bars()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        hf_logging.set_verbosity(state[1])
+        if state[0]:
+            hf_logging.enable_progress_bar()
+        if state[2]:
+            datasets.enable_progress_bars()
+
+
 def _save_and_reload(model: torch.nn.Module, tokenizer: Any, policy_dir: str | Path | None) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
@@ -101,26 +122,18 @@ def grpo_trainer(model: torch.nn.Module, tokenizer: Any, rows: Sequence[dict[str
     ``policy_dir`` and reloaded from it (the trainer's ``.model`` is then that copy, not ``model``)."""
     from datasets import Dataset
     from transformers import PrinterCallback
-    import datasets
     from trl import GRPOTrainer as TRLGRPOTrainer
 
     if not rows or any("prompt" not in r for r in rows):
         raise ValueError("rows must be a non-empty sequence of dicts with a 'prompt'")
     args = trl_grpo_config(config, prompts_per_step=prompts_per_step, steps=steps, lr=lr, **overrides)
-    if config.beta > 0:
-        model = _save_and_reload(model, tokenizer, policy_dir)
     cls = TRLGRPOTrainer if reweighting is None else ar_trainer_class()
     extra = {} if reweighting is None else {"reweighting": reweighting}
-    bars = datasets.is_progress_bar_enabled()
-    datasets.disable_progress_bars()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            trainer = cls(model=model, reward_funcs=reward_funcs, args=args, train_dataset=Dataset.from_list(
-                list(rows)), processing_class=tokenizer, **extra)
-    finally:
-        if bars:
-            datasets.enable_progress_bars()
+    with _quiet():
+        if config.beta > 0:
+            model = _save_and_reload(model, tokenizer, policy_dir)
+        trainer = cls(model=model, reward_funcs=reward_funcs, args=args, train_dataset=Dataset.from_list(list(rows)),
+                      processing_class=tokenizer, **extra)
     trainer.remove_callback(PrinterCallback)
     return trainer
 
