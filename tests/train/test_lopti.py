@@ -298,9 +298,14 @@ def test_nan_weights_raise_before_any_update(tiny):
     m = copy.deepcopy(model)
     with torch.no_grad():
         m.lm_head.weight[3, 0] = float("nan")
-    tr = _trainer(m, tok)
-    with pytest.raises((NumericalError, RuntimeError)):
-        tr.step(PROMPTS)
+    with pytest.raises(NumericalError, match="non-finite logits while sampling"):
+        _trainer(m, tok).step(PROMPTS)
+    tr = _trainer(copy.deepcopy(model), tok)
+    r = tr.rollout(PROMPTS)
+    with torch.no_grad():
+        tr.model.lm_head.weight.fill_(float("nan"))
+    with pytest.raises(NumericalError, match="non-finite logits at completion 0, position 0"):
+        tr.update(r)
 
 
 def test_trainer_step_metrics_and_determinism(tiny):

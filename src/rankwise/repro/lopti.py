@@ -35,6 +35,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import statistics
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -155,10 +156,11 @@ def _own_arm(base: Any, tok: Any, schedule: list[list[Any]], arm: str, s: LoptiS
 def _trl_arm(base: Any, tok: Any, schedule: list[list[Any]], s: LoptiSettings, seed: int) -> dict[str, Any]:
     rows = [{"prompt": e.prompt, "answer": e.meta["answer"]} for batch in schedule for e in batch]
     t0 = time.perf_counter()
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), tempfile.TemporaryDirectory(prefix="rankwise-lopti-") as tmp:
         warnings.simplefilter("ignore")
         trainer = grpo_trainer(copy.deepcopy(base), tok, rows, _reward, _config(s, seed),
-                               prompts_per_step=s.prompts_per_step, steps=s.steps, lr=s.lr)
+                               prompts_per_step=s.prompts_per_step, steps=s.steps, lr=s.lr,
+                               policy_dir=Path(tmp) / "policy", output_dir=str(Path(tmp) / "out"))
         trainer.train()
     wall = time.perf_counter() - t0
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
@@ -193,16 +195,19 @@ def _probe(base: Any, tok: Any, prompts: list[Any], s: LoptiSettings) -> dict[st
 
 def _trl_parity(base: Any, tok: Any, r: Any, cfg: GRPOConfig, s: LoptiSettings) -> float:
     """|ours - TRL| / |TRL| of the bnpo loss on rollout ``r`` (AR advantages, perturbed logp_old, beta > 0)."""
-    policy = copy.deepcopy(base)
-    with warnings.catch_warnings():
+    cfg = dataclasses.replace(cfg, beta=max(cfg.beta, 1e-3))
+    with warnings.catch_warnings(), tempfile.TemporaryDirectory(prefix="rankwise-lopti-") as tmp:
         warnings.simplefilter("ignore")
-        trainer = grpo_trainer(policy, tok, [{"prompt": "10+10=", "answer": "20"}] * 2, _reward,
-                               dataclasses.replace(cfg, beta=max(cfg.beta, 1e-3)), prompts_per_step=1, steps=1,
-                               lr=s.lr)
+        trainer = grpo_trainer(copy.deepcopy(base), tok, [{"prompt": "10+10=", "answer": "20"}] * 2, _reward, cfg,
+                               prompts_per_step=1, steps=1, lr=s.lr, policy_dir=Path(tmp) / "policy",
+                               output_dir=str(Path(tmp) / "out"))
+        return _trl_diff(trainer, r, cfg, s)
+
+
+def _trl_diff(trainer: Any, r: Any, cfg: GRPOConfig, s: LoptiSettings) -> float:
     r = copy.copy(r)
     r.logp_old = r.logp_old + 0.2 * torch.randn(r.logp_old.shape, generator=torch.Generator().manual_seed(0))
     adv = AdvantageReweighting(s.alpha).reweight(r.advantages, r.logp_old)
-    beta = trainer.beta
     with torch.no_grad():
         r.logp_ref = completion_logps(trainer.ref_model, r.prompt_ids, r.prompt_mask, r.completion_ids,
                                       r.completion_mask, s.temperature)
@@ -210,7 +215,7 @@ def _trl_parity(base: Any, tok: Any, r: Any, cfg: GRPOConfig, s: LoptiSettings) 
         logp = completion_logps(trainer.model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask,
                                 s.temperature)
         per, _ = per_token_loss(logp, r.logp_old, adv, epsilon_low=cfg.epsilon_low, epsilon_high=cfg.clip_high,
-                                beta=beta, logp_ref=r.logp_ref)
+                                beta=cfg.beta, logp_ref=r.logp_ref)
         ours = float(aggregate(per, r.completion_mask, "bnpo"))
     return abs(ours - theirs) / max(abs(theirs), 1e-12)
 

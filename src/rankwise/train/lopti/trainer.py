@@ -104,6 +104,13 @@ def sample_completions(model: nn.Module, tokenizer: Any, prompts: Sequence[str],
             out = model.generate(input_ids=prompt_ids.to(dev), attention_mask=prompt_mask.to(dev), do_sample=True,
                                  temperature=temperature, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
                                  pad_token_id=pad, eos_token_id=eos)
+    except RuntimeError as e:  # torch.multinomial refuses NaN/inf probabilities
+        if "probability tensor" not in str(e):
+            raise
+        from rankwise.core.errors import NumericalError
+
+        raise NumericalError("the policy produced non-finite logits while sampling completions; it has diverged "
+                             "or its weights are corrupt") from None
     finally:
         model.train(was)
     comp = out[:, P:].cpu()
