@@ -97,7 +97,7 @@ WARM_RECIPES: dict[str, WarmRecipe] = {
                                   num_attention_heads=2, num_key_value_heads=2),
     # Lopti's warm-up policy: SFT on noisy 2-digit addition, stopped while greedy exact match is partial
     # (the spec's ~40-60 %), so that the GRPO groups have reward variance
-    "lopti": WarmRecipe(data="addition-noisy", size="small", n_examples=20_000, steps=1500, lr=2e-3,
+    "lopti": WarmRecipe(data="addition-noisy", size="small", n_examples=20_000, steps=450, lr=2e-3,
                         hidden_size=128, intermediate_size=256, num_hidden_layers=2, mask_prompt=True),
     "lopti-smoke": WarmRecipe(data="addition-noisy", size="smoke", n_examples=256, steps=6, warmup_steps=2,
                               hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
