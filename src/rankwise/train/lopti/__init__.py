@@ -22,7 +22,13 @@ from __future__ import annotations
 from rankwise.core.registry import register
 from rankwise.train.lopti.analysis import closed_form_grad_norms, hidden_grad_norms
 from rankwise.train.lopti.config import LOSS_TYPES, ORDERS, SCALE_REWARDS, AdvantageReweighting, GRPOConfig, Lopti
-from rankwise.train.lopti.integration import ar_trainer_class, grpo_trainer, trl_grpo_config, trl_loss, trl_parity_inputs
+from rankwise.train.lopti.integration import (
+    ar_trainer_class,
+    grpo_trainer,
+    trl_grpo_config,
+    trl_loss,
+    trl_parity_inputs,
+)
 from rankwise.train.lopti.loss import (
     aggregate,
     group_advantages,
