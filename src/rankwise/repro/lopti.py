@@ -80,7 +80,7 @@ MIN_VAR_GROUPS = 0.25      # precondition: share of warm-up groups with nonzero 
 WARM_EM_RANGE = (0.10, 0.90)  # precondition: the warm-up policy is partial
 MIN_GRPO_GAIN = 0.0        # precondition: GRPO (ours) beats the warm-up policy
 MAX_EM = 0.98              # precondition: no saturation
-TOL_CLOSED_FORM = 1e-3     # wiring: relative
+TOL_CLOSED_FORM = 1e-4     # wiring: relative to the largest norm
 TOL_TRL = 1e-5             # wiring: relative
 
 
@@ -115,7 +115,7 @@ SETTINGS: dict[str, LoptiSettings] = {
     "smoke": LoptiSettings(warm="lopti-smoke", arms=("trl_grpo", "grpo", "ar_lopti"), steps=2, prompts_per_step=4,
                            num_generations=4, n_probe=8, n_test=16),
     # the spec's quick mode: claim 1, and 40 steps of GRPO and GRPO+AR+Lopti on one seed (plus TRL's GRPO)
-    "quick": LoptiSettings(arms=("trl_grpo", "grpo", "ar_lopti"), steps=40, seeds=(0,)),
+    "quick": LoptiSettings(arms=("trl_grpo", "grpo", "ar_lopti"), steps=40, n_probe=32, seeds=(0,)),
     "full": LoptiSettings(steps=150, seeds=(0, 1, 2)),
 }
 
@@ -155,7 +155,8 @@ def _own_arm(base: Any, tok: Any, schedule: list[list[Any]], arm: str, s: LoptiS
             "low_share": statistics.fmean(m["low_share"] for m in h) if "low_share" in h[0] else None}
 
 
-def _trl_arm(base: Any, tok: Any, schedule: list[list[Any]], s: LoptiSettings, seed: int) -> dict[str, Any]:
+def _trl_arm(base: Any, tok: Any, schedule: list[list[Any]], s: LoptiSettings, seed: int,
+             probe_rollout: Any = None) -> dict[str, Any]:
     rows = [{"prompt": e.prompt, "answer": e.meta["answer"]} for batch in schedule for e in batch]
     t0 = time.perf_counter()
     with warnings.catch_warnings(), tempfile.TemporaryDirectory(prefix="rankwise-lopti-") as tmp:
@@ -163,11 +164,14 @@ def _trl_arm(base: Any, tok: Any, schedule: list[list[Any]], s: LoptiSettings, s
         trainer = grpo_trainer(copy.deepcopy(base), tok, rows, _reward, _config(s, seed),
                                prompts_per_step=s.prompts_per_step, steps=s.steps, lr=s.lr,
                                policy_dir=Path(tmp) / "policy", output_dir=str(Path(tmp) / "out"))
+        # wiring, before any step: our loss vs TRL's _compute_loss on the warm-up rollout (the same trainer)
+        trl_diff = None if probe_rollout is None or s.beta == 0 else _trl_diff(trainer, probe_rollout,
+                                                                                 _config(s, seed), s)
         trainer.train()
     wall = time.perf_counter() - t0
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
     return {"model": trainer.model.eval(), "rewards": rewards, "step_s": wall / s.steps, "update_s": None,
-            "low_share": None}
+            "low_share": None, "trl_diff": trl_diff}
 
 
 def _probe(base: Any, tok: Any, prompts: list[Any], s: LoptiSettings) -> dict[str, Any]:
@@ -183,7 +187,8 @@ def _probe(base: Any, tok: Any, prompts: list[Any], s: LoptiSettings) -> dict[st
         "quartile_norm": quartile_means(g["grad_norm"], g["p_old"]),
         "quartile_p": quartile_means(g["p_old"], g["p_old"]),
         "scatter": list(zip(g["p_old"], g["grad_norm"]))[:2000],
-        "closed_form_err": max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(g["grad_norm"], g["closed_form"])),
+        "closed_form_err": max(abs(a - b) for a, b in zip(g["grad_norm"], g["closed_form"]))
+        / max(max(g["closed_form"]), 1e-12),
     }
     # wiring: AR with alpha = 0 is plain GRPO, bit for bit
     ar0 = GRPOTrainer(base, tok, _reward, cfg, ref_model=base, token_hooks=[AdvantageReweighting(0.0)])
@@ -191,7 +196,7 @@ def _probe(base: Any, tok: Any, prompts: list[Any], s: LoptiSettings) -> dict[st
         a, _ = tr.loss(r, tr.token_advantages(r), r.completion_mask)
         b, _ = ar0.loss(r, ar0.token_advantages(r), r.completion_mask)
     rec["ar0_diff"] = abs(float(a) - float(b))
-    rec["trl_diff"] = _trl_parity(base, tok, r, cfg, s)
+    rec["rollout"] = r  # for the TRL parity check (dropped before the record is stored)
     return rec
 
 
@@ -219,6 +224,7 @@ def _trl_diff(trainer: Any, r: Any, cfg: GRPOConfig, s: LoptiSettings) -> float:
         per, _ = per_token_loss(logp, r.logp_old, adv, epsilon_low=cfg.epsilon_low, epsilon_high=cfg.clip_high,
                                 beta=cfg.beta, logp_ref=r.logp_ref)
         ours = float(aggregate(per, r.completion_mask, "bnpo"))
+    trainer._metrics["train"].clear()  # the check's forward must not show in the first logged training metrics
     return abs(ours - theirs) / max(abs(theirs), 1e-12)
 
 
@@ -249,10 +255,16 @@ class LoptiReproduction(Reproduction[LoptiSettings, dict]):
         schedule = [rest[k * s.prompts_per_step:(k + 1) * s.prompts_per_step] for k in range(s.steps)]
         test = world.examples(test_idx[:s.n_test])
         rec: dict[str, Any] = {"probe": _probe(base, tok, probe, s), "warm": _em(base, tok, test, s), "arms": {}}
+        rollout = rec["probe"].pop("rollout")
         for arm in s.arms:
-            r = _trl_arm(base, tok, schedule, s, seed) if arm == "trl_grpo" else _own_arm(base, tok, schedule, arm,
-                                                                                           s, seed)
+            if arm == "trl_grpo":
+                r = _trl_arm(base, tok, schedule, s, seed, rollout)
+                rec["probe"]["trl_diff"] = r.pop("trl_diff")
+            else:
+                r = _own_arm(base, tok, schedule, arm, s, seed)
             rec["arms"][arm] = {"correct": _em(r.pop("model"), tok, test, s), **r}
+        if "trl_diff" not in rec["probe"]:
+            rec["probe"]["trl_diff"] = _trl_parity(base, tok, rollout, _config(s, 12345), s)
         return rec
 
     def table(self, s: LoptiSettings, records: Records[dict]) -> Table:
@@ -311,8 +323,8 @@ class LoptiReproduction(Reproduction[LoptiSettings, dict]):
                        qn[0] / qn[3], ">=", MIN_QUARTILE_RATIO, unit="x"),
             ClaimCheck("AR with alpha = 0 vs plain GRPO: |loss difference| (bitwise)",
                        max(r["probe"]["ar0_diff"] for r in records), "<=", 0.0, kind="wiring"),
-            ClaimCheck("autograd hidden-state gradient norms vs the closed form ||W^T (e_o - pi)||: max relative "
-                       "difference", max(r["probe"]["closed_form_err"] for r in records), "<=", TOL_CLOSED_FORM,
+            ClaimCheck("autograd hidden-state gradient norms vs the closed form ||W^T (e_o - pi)||: max |difference| "
+                       "/ largest norm", max(r["probe"]["closed_form_err"] for r in records), "<=", TOL_CLOSED_FORM,
                        kind="wiring"),
             ClaimCheck("bnpo loss, ours vs TRL GRPOTrainer._compute_loss (AR advantages, beta > 0): relative "
                        "difference", max(r["probe"]["trl_diff"] for r in records), "<=", TOL_TRL, kind="wiring"),
