@@ -18,6 +18,7 @@ from rankwise.train.lopti import (
     Rollout,
     aggregate,
     closed_form_grad_norms,
+    completion_logps,
     group_advantages,
     hidden_grad_norms,
     k3_kl,
@@ -199,9 +200,8 @@ def test_rollout_shapes_rewards_and_mu1_ratio_is_one(tiny):
         assert m[:n].all() and not m[n:].any()
         assert tok.eos_token_id not in ids[:n - 1].tolist()
     tr.model.train()
-    _, ratio = per_token_loss(
-        __import__("rankwise.train.lopti", fromlist=["completion_logps"]).completion_logps(
-            tr.model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask), r.logp_old, r.advantages)
+    logp = completion_logps(tr.model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask)
+    _, ratio = per_token_loss(logp, r.logp_old, r.advantages)
     assert torch.equal(ratio[r.completion_mask.bool()], torch.ones(r.n_tokens))
 
 
@@ -343,6 +343,25 @@ def test_hidden_gradient_norms_match_the_closed_form(tiny):
                           torch.stack([(w[t] - probs[i] @ w).norm() for i, t in enumerate([0, 1, 2])]))
 
 
+def test_lora_policy_uses_the_disabled_adapter_as_reference(tiny):
+    peft = pytest.importorskip("peft")
+    model, tok = tiny
+    policy = peft.get_peft_model(copy.deepcopy(model), peft.LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "frozen copy" warning: the adapter is switched off instead
+        tr = _trainer(policy, tok, beta=0.1)
+    assert tr.ref_model is None and tr._ref_is_adapter
+    r = tr.rollout(PROMPTS)
+    with torch.no_grad():
+        base = completion_logps(model, r.prompt_ids, r.prompt_mask, r.completion_ids, r.completion_mask)
+    assert torch.allclose(r.logp_ref, base, atol=1e-6)  # LoRA's B starts at 0; the reference is the base model
+    tr.update(r)
+    r2 = tr.rollout(PROMPTS)
+    with torch.no_grad():
+        base2 = completion_logps(model, r2.prompt_ids, r2.prompt_mask, r2.completion_ids, r2.completion_mask)
+    assert torch.allclose(r2.logp_ref, base2, atol=1e-6) and not torch.allclose(r2.logp_old, base2, atol=1e-6)
+
+
 def test_registered():
     from rankwise.core import registry
 
@@ -354,7 +373,7 @@ def test_registered():
 
 def test_per_token_loss_equals_trl_compute_loss(tiny, tmp_path):
     pytest.importorskip("trl")
-    from rankwise.train.lopti import completion_logps, grpo_trainer, trl_loss, trl_parity_inputs
+    from rankwise.train.lopti import grpo_trainer, trl_loss, trl_parity_inputs
 
     model, tok = tiny
     cfg = GRPOConfig(num_generations=4, max_completion_length=3, beta=0.04, epsilon=0.2, epsilon_high=0.28,
