@@ -47,7 +47,7 @@ class GRPOConfig:
     scale_rewards: Any = "group"
     num_iterations: int = 1
     temperature: float = 1.0
-    max_completion_length: int = 256
+    max_completion_length: int = 512
     max_grad_norm: float | None = 1.0
     reward_weights: tuple[float, ...] | None = None
     seed: int = 0
