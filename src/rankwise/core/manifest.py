@@ -19,6 +19,7 @@ REGISTERED: dict[str, str] = {
     'fslora': 'rankwise.federated.fslora',
     'gfwsvd': 'rankwise.compress.gfwsvd',
     'intrinsic_dynamics': 'rankwise.science.intrinsic_dynamics',
+    'lopti': 'rankwise.train.lopti',
     'lora': 'rankwise.adapt.lora.model',
     'lora_mixer': 'rankwise.adapt.lora_mixer.model',
     'mi_sprm': 'rankwise.science.mi_sprm.matrix',

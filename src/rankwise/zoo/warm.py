@@ -30,10 +30,10 @@ from rankwise.core.errors import ArtifactError, NumericalError
 from rankwise.core.io import atomic_dir
 from rankwise.core.lmdata import collate, encode_pair
 from rankwise.zoo.models import quiet_transformers, seeded
-from rankwise.zoo.synthetic import ArithmeticWorld, Example, SafetyWorld
+from rankwise.zoo.synthetic import AdditionWorld, ArithmeticWorld, Example, SafetyWorld
 from rankwise.zoo.tinylm import _major_minor, cache_dir
 
-__all__ = ["WARM_DATA", "WARM_RECIPES", "WarmRecipe", "build_warm", "warm_lm", "warm_lm_path", "warm_world"]
+__all__ = ["ADDITION_SPLIT", "WARM_DATA", "addition_split", "WARM_RECIPES", "WarmRecipe", "build_warm", "warm_lm", "warm_lm_path", "warm_world"]
 
 logger = logging.getLogger(__name__)
 _RECORD = "rankwise_warm.json"
@@ -59,12 +59,30 @@ def _safety_attack(n_harmful: int) -> Callable[[int, int], list[Example]]:
 
 SAFETY_ATTACK_SIZES: tuple[int, ...] = (10, 100, 1000)
 SAFETY_BENIGN_MIX = 500  # benign examples mixed into every attack (spec "Reproduction at small scale")
+#: Lopti's 2-digit addition: (training problems, held-out problems, split seed). The warm-up and the
+#: RL prompts use the training problems; the reproduction evaluates on the held-out ones.
+ADDITION_SPLIT = (7600, 500, 0)
+ADDITION_NOISE = 0.3  # the spec's noisy warm-up labels: 30 % of the answers off by one in a digit
+
+
+def addition_split() -> tuple[list[int], list[int]]:
+    """The (training, held-out) problem indices of Lopti's :class:`AdditionWorld` (disjoint, seeded)."""
+    n_train, n_test, seed = ADDITION_SPLIT
+    return AdditionWorld().split(n_train, n_test, seed)
+
+
+def _addition_noisy(n: int, seed: int) -> list[Example]:
+    train, _ = addition_split()
+    idx = torch.randint(0, len(train), (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return AdditionWorld().examples([train[i] for i in idx], seed=seed, noise=ADDITION_NOISE)
+
 
 #: data name -> (world factory, ``(n, seed) -> examples``)
 WARM_DATA: dict[str, tuple[Callable[[], Any], Callable[[int, int], list[Example]]]] = {
     "arith-add": (ArithmeticWorld, _arith_pretrain),
     "safety-align": (SafetyWorld, _safety_align),
     **{f"safety-attack-{n}": (SafetyWorld, _safety_attack(n)) for n in SAFETY_ATTACK_SIZES},
+    "addition-noisy": (AdditionWorld, _addition_noisy),
 }
 
 
@@ -118,6 +136,13 @@ WARM_RECIPES: dict[str, WarmRecipe] = {
     **{f"safety-attack-n{n}-s{seed}": _safety_attack_recipe(n, seed) for n in SAFETY_ATTACK_SIZES
        for seed in (0, 1, 2)},
     "safety-attack-smoke": _safety_attack_recipe(10, 0, smoke=True),
+    # Lopti's warm-up policy: SFT on noisy 2-digit addition, stopped while greedy exact match is partial
+    # (the spec's ~40-60 %), so that the GRPO groups have reward variance
+    "lopti": WarmRecipe(data="addition-noisy", size="small", n_examples=20_000, steps=450, lr=2e-3,
+                        hidden_size=128, intermediate_size=256, num_hidden_layers=2, mask_prompt=True),
+    "lopti-smoke": WarmRecipe(data="addition-noisy", size="smoke", n_examples=256, steps=6, warmup_steps=2,
+                              hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                              num_key_value_heads=2, mask_prompt=True),
 }
 
 
