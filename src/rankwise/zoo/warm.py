@@ -30,7 +30,7 @@ from rankwise.core.errors import ArtifactError, NumericalError
 from rankwise.core.io import atomic_dir
 from rankwise.core.lmdata import collate, encode_pair
 from rankwise.zoo.models import quiet_transformers, seeded
-from rankwise.zoo.synthetic import ArithmeticWorld, Example
+from rankwise.zoo.synthetic import ArithmeticWorld, Example, P2DWorld
 from rankwise.zoo.tinylm import _major_minor, cache_dir
 
 __all__ = ["WARM_DATA", "WARM_RECIPES", "WarmRecipe", "build_warm", "warm_lm", "warm_lm_path", "warm_world"]
@@ -43,9 +43,14 @@ def _arith_pretrain(n: int, seed: int) -> list[Example]:
     return ArithmeticWorld().pretrain_examples(n, seed)
 
 
+def _p2d_pretrain(n: int, seed: int) -> list[Example]:
+    return P2DWorld().pretrain_examples(n, seed)
+
+
 #: data name -> (world factory, ``(n, seed) -> examples``)
 WARM_DATA: dict[str, tuple[Callable[[], Any], Callable[[int, int], list[Example]]]] = {
     "arith-add": (ArithmeticWorld, _arith_pretrain),
+    "p2d-source": (P2DWorld, _p2d_pretrain),
 }
 
 
@@ -76,6 +81,12 @@ WARM_RECIPES: dict[str, WarmRecipe] = {
     "ranktuner-smoke": WarmRecipe(data="arith-add", size="smoke", n_examples=256, steps=6, warmup_steps=2,
                                   hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                   num_attention_heads=2, num_key_value_heads=2),
+    # P2D's pre-trained model: the four source tasks (copy, reverse, sort, add), 4 layers x 8 heads of 16
+    "p2d": WarmRecipe(data="p2d-source", size="small", n_examples=20_000, steps=1500, num_attention_heads=8,
+                      num_key_value_heads=8, mask_prompt=True),
+    "p2d-smoke": WarmRecipe(data="p2d-source", size="smoke", n_examples=256, steps=6, warmup_steps=2,
+                            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, mask_prompt=True),
 }
 
 

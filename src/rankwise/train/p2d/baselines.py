@@ -1,0 +1,80 @@
+"""P2D's baselines: random / loss-based data selection, random heads, full data, and PEFT LoRA (through PEFT).
+
+* :func:`random_data`: a seeded random ``max(1, round(fraction * N))`` of the pool.
+* :func:`loss_data`: top-k by the sample's mean response cross-entropy under the model (``highest=True``:
+  the perplexity-based "hard examples" selection; ``False``: the easiest).
+* :func:`random_heads`: a seeded random head set of the same size as P2D's.
+* full data: ``data_fraction=1`` (every sample) — no function needed.
+* :func:`lora_model`: the model wrapped by ``peft.get_peft_model`` with a ``LoraConfig`` on the attention
+  projections (PEFT imported inside the function).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from rankwise.core.validate import check_int, check_number
+from rankwise.train.p2d.heads import HeadSelection, find_attention
+from rankwise.train.p2d.method import DataSelection, top_k
+from rankwise.train.p2d.scoring import encode_pool, round_count, sample_losses
+
+__all__ = ["DATA_METHODS", "loss_data", "lora_model", "random_data", "random_heads"]
+
+DATA_METHODS = ("p2d", "random", "loss")
+
+
+def random_data(pool: Sequence[Any], fraction: float, seed: int = 0) -> DataSelection:
+    """A seeded random ``max(1, round(fraction * N))`` of ``pool`` (affinities are the random keys)."""
+    check_number("data_fraction", fraction, 0.0, 1.0, low_open=True)
+    if len(pool) == 0:
+        raise ValueError("the pool is empty")
+    t0 = time.perf_counter()
+    keys = torch.rand(len(pool), generator=torch.Generator().manual_seed(check_int("seed", seed, 0)),
+                      dtype=torch.float64)
+    idx = keys.argsort(descending=True)[: round_count(fraction, len(pool))].tolist()
+    return DataSelection(idx, keys, "random", seconds=time.perf_counter() - t0)
+
+
+def loss_data(model: nn.Module, tokenizer: Any, pool: Sequence[Any], fraction: float, highest: bool = True,
+              batch_size: int = 64, max_length: int = 256, dedup: bool = True) -> DataSelection:
+    """Top-k of ``pool`` by mean response cross-entropy under ``model`` (one forward per batch)."""
+    if len(pool) == 0:
+        raise ValueError("the pool is empty")
+    t0 = time.perf_counter()
+    enc = encode_pool(tokenizer, pool, max_length, dedup)
+    losses = sample_losses(model, enc, batch_size)
+    idx = top_k(losses, fraction, enc.keys, highest=highest)
+    return DataSelection(idx, losses, "loss" if highest else "loss_low", enc.no_response, enc.duplicates,
+                         seconds=time.perf_counter() - t0)
+
+
+def random_heads(model_or_shape: nn.Module | tuple[int, int], fraction: float, seed: int = 0) -> HeadSelection:
+    """``max(1, floor(fraction * L * H))`` heads drawn uniformly without replacement (seeded)."""
+    from rankwise.train.p2d.heads import _count
+
+    if isinstance(model_or_shape, nn.Module):
+        lay = find_attention(model_or_shape)
+        shape = (len(lay), lay[0].num_heads)
+    else:
+        shape = tuple(model_or_shape)
+    L, H = shape
+    k = _count(fraction, L * H, "head_fraction")
+    keys = torch.rand(L * H, generator=torch.Generator().manual_seed(check_int("seed", seed, 0)), dtype=torch.float64)
+    mask = torch.zeros(L * H, dtype=torch.bool)
+    mask[keys.argsort(descending=True)[:k]] = True
+    return HeadSelection(mask.view(L, H), keys.view(L, H), {"source": "random", "head_fraction": fraction, "seed": seed})
+
+
+def lora_model(model: nn.Module, rank: int = 8, alpha: float | None = None,
+               target_modules: Sequence[str] = ("q_proj", "k_proj", "v_proj", "o_proj")) -> nn.Module:
+    """``peft.get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, target_modules=...))``."""
+    from peft import LoraConfig, get_peft_model
+
+    check_int("rank", rank, 1)
+    cfg = LoraConfig(r=rank, lora_alpha=alpha if alpha is not None else 2 * rank, lora_dropout=0.0,
+                     target_modules=list(target_modules), task_type="CAUSAL_LM")
+    return get_peft_model(model, cfg)
