@@ -18,7 +18,7 @@ docs/methods/p2d.md records the choices the paper leaves open (the proxy, the af
 from __future__ import annotations
 
 from rankwise.core.registry import register
-from rankwise.train.p2d.baselines import DATA_METHODS, lora_model, loss_data, random_data, random_heads
+from rankwise.train.p2d.baselines import DATA_METHODS, lora_model, loss_data, random_data, random_heads, select
 from rankwise.train.p2d.heads import (
     HEAD_SCORES,
     AttentionLayout,
@@ -70,6 +70,7 @@ __all__ = [
     "restrict_to_heads",
     "sample_losses",
     "save_heads",
+    "select",
     "select_heads",
     "top_k",
     "wasserstein1",

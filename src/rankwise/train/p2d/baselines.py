@@ -22,7 +22,7 @@ from rankwise.train.p2d.heads import HeadSelection, find_attention
 from rankwise.train.p2d.method import DataSelection, top_k
 from rankwise.train.p2d.scoring import encode_pool, round_count, sample_losses
 
-__all__ = ["DATA_METHODS", "loss_data", "lora_model", "random_data", "random_heads"]
+__all__ = ["DATA_METHODS", "loss_data", "lora_model", "random_data", "random_heads", "select"]
 
 DATA_METHODS = ("p2d", "random", "loss")
 
@@ -78,3 +78,48 @@ def lora_model(model: nn.Module, rank: int = 8, alpha: float | None = None,
     cfg = LoraConfig(r=rank, lora_alpha=alpha if alpha is not None else 2 * rank, lora_dropout=0.0,
                      target_modules=list(target_modules), task_type="CAUSAL_LM")
     return get_peft_model(model, cfg)
+
+
+def select(model: nn.Module, tokenizer: Any, pool: Sequence[Any], method: str = "p2d",
+           config: Any = None, heads: str | HeadSelection = "proxy") -> tuple[DataSelection, HeadSelection, dict[str, float]]:
+    """One selection as the CLI runs it: ``(data selection, head selection, stage timings)``.
+
+    ``method``: ``p2d`` (affinity through the heads), ``random`` or ``loss`` (highest response loss).
+    ``heads``: ``"proxy"`` (P2D's probe fine-tune), ``"random"`` (same count, seeded), ``"all"``, or a
+    :class:`HeadSelection` (e.g. :func:`load_heads` of an earlier run). The data fraction is
+    ``config.data_fraction`` (a :class:`P2DConfig`).
+    """
+    from rankwise.core.validate import check_choice
+    from rankwise.train.p2d.method import P2D, P2DConfig
+
+    check_choice("method", method, DATA_METHODS)
+    cfg = P2DConfig() if config is None else config
+    if len(pool) == 0:
+        raise ValueError("the pool is empty")
+    p2d = P2D(model, tokenizer, cfg)
+    if isinstance(heads, HeadSelection):
+        if tuple(heads.mask.shape) != p2d.shape:
+            raise ValueError(f"the head mask is {tuple(heads.mask.shape)}, the model has {p2d.shape} heads")
+        p2d.heads = heads
+        if cfg.affinity == "grad_cosine" and method == "p2d":
+            raise ValueError("affinity grad_cosine needs the proxy's probe gradients: use heads='proxy'")
+    elif heads == "proxy":
+        p2d.localize_heads(p2d.probe_set(pool))
+    elif heads == "random":
+        p2d.heads = random_heads(p2d.shape, cfg.head_fraction, cfg.seed)
+    elif heads == "all":
+        L, H = p2d.shape
+        p2d.heads = HeadSelection(torch.ones(L, H, dtype=torch.bool), torch.zeros(L, H, dtype=torch.float64),
+                                  {"source": "all"})
+    else:
+        raise ValueError(f"heads must be 'proxy', 'random', 'all' or a HeadSelection, got {heads!r}")
+    if method == "p2d":
+        data = p2d.select_data(pool)
+    elif method == "random":
+        data = random_data(pool, cfg.data_fraction, cfg.seed)
+    else:
+        data = loss_data(model, tokenizer, pool, cfg.data_fraction, batch_size=cfg.batch_size,
+                         max_length=cfg.max_length, dedup=cfg.dedup)
+    timings = dict(p2d.timings)
+    timings["select"] = data.seconds
+    return data, p2d.heads, timings
