@@ -82,6 +82,12 @@ def test_w1_closed_form_matches_scipy_on_random_vectors() -> None:
         assert wasserstein1(P, Q) == pytest.approx(ref, rel=1e-6, abs=1e-15)
         assert distribution_distance(u0, up) == pytest.approx(ref, rel=1e-6, abs=1e-15)
     assert wasserstein1(P, P) == 0.0
+    # close distributions (a small W1 from nearly equal CDFs), as a short proxy fine-tune produces
+    u0 = torch.randn(6144, generator=g)
+    P, Q = torch.softmax(u0, 0), torch.softmax(u0 + 0.01 * torch.randn(6144, generator=g), 0)
+    x = torch.linspace(0, 1, 6144, dtype=torch.float64).numpy()
+    ref = stats.wasserstein_distance(x, x, P.double().numpy(), Q.double().numpy())
+    assert wasserstein1(P, Q) == pytest.approx(ref, rel=1e-6)
 
 
 def test_every_score_is_zero_for_identical_vectors_and_positive_otherwise() -> None:

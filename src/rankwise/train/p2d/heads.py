@@ -183,12 +183,17 @@ def head_vector(layout: AttentionLayout, h: int) -> torch.Tensor:
 
 
 def wasserstein1(p: torch.Tensor, q: torch.Tensor) -> float:
-    """W1 between two distributions on the common support ``x_i = i / (n - 1)`` (closed form, float64)."""
+    """W1 between two distributions on the common support ``x_i = i / (n - 1)`` (closed form, float64).
+
+    Both are renormalised to sum 1 in float64 first: a float32 softmax sums to 1 only up to ~1e-7, which
+    matters when the two distributions are close (a small W1 is a difference of nearly equal CDFs).
+    """
     if p.shape != q.shape or p.dim() != 1 or p.numel() < 2:
         raise ValueError(f"wasserstein1 needs two 1-D distributions of the same length >= 2, got {tuple(p.shape)}, "
                          f"{tuple(q.shape)}")
     n = p.numel()
-    d = torch.cumsum(p.double(), 0) - torch.cumsum(q.double(), 0)
+    p, q = p.double(), q.double()
+    d = torch.cumsum(p / p.sum(), 0) - torch.cumsum(q / q.sum(), 0)  # renormalised in float64, as scipy does
     return float(d[:-1].abs().sum() / (n - 1))
 
 
