@@ -353,3 +353,18 @@ def test_head_mask_and_selection_errors(tok) -> None:
         select_heads(torch.tensor([[float("nan")]]), 0.5)
     with pytest.raises(ValueError, match="localize_heads"):
         P2D(model, tok).select_data([("a", "b")])
+
+
+def test_select_entry_point_head_sources(tok, pool) -> None:
+    from rankwise.train.p2d import select
+
+    model = _llama(tok)
+    cfg = P2DConfig(proxy_steps=1, data_fraction=0.1)
+    data, heads, timings = select(model, tok, pool, "loss", cfg, "all")
+    assert heads.mask.all() and len(data.indices) == 6 and "select" in timings
+    with pytest.raises(ValueError, match="the model has"):
+        select(model, tok, pool, "p2d", cfg, HeadSelection(torch.ones(3, 4, dtype=torch.bool), torch.zeros(3, 4)))
+    with pytest.raises(ValueError, match="heads must be"):
+        select(model, tok, pool, "random", cfg, "best")
+    with pytest.raises(ValueError, match="method"):
+        select(model, tok, pool, "magic", cfg)
