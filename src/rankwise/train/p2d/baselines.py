@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from rankwise.core.validate import check_int, check_number
-from rankwise.train.p2d.heads import HeadSelection, find_attention
+from rankwise.train.p2d.heads import HeadSelection, find_attention, head_count
 from rankwise.train.p2d.method import DataSelection, top_k
 from rankwise.train.p2d.scoring import encode_pool, round_count, sample_losses
 
@@ -54,15 +54,13 @@ def loss_data(model: nn.Module, tokenizer: Any, pool: Sequence[Any], fraction: f
 
 def random_heads(model_or_shape: nn.Module | tuple[int, int], fraction: float, seed: int = 0) -> HeadSelection:
     """``max(1, floor(fraction * L * H))`` heads drawn uniformly without replacement (seeded)."""
-    from rankwise.train.p2d.heads import _count
-
     if isinstance(model_or_shape, nn.Module):
         lay = find_attention(model_or_shape)
         shape = (len(lay), lay[0].num_heads)
     else:
         shape = tuple(model_or_shape)
     L, H = shape
-    k = _count(fraction, L * H, "head_fraction")
+    k = head_count(fraction, L * H)
     keys = torch.rand(L * H, generator=torch.Generator().manual_seed(check_int("seed", seed, 0)), dtype=torch.float64)
     mask = torch.zeros(L * H, dtype=torch.bool)
     mask[keys.argsort(descending=True)[:k]] = True

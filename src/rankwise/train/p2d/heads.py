@@ -42,6 +42,7 @@ __all__ = [
     "HeadSelection",
     "distribution_distance",
     "find_attention",
+    "head_count",
     "head_mask",
     "head_scores",
     "head_vector",
@@ -242,7 +243,8 @@ def head_scores(before: nn.Module, after: nn.Module, kind: str = "wasserstein") 
     return s
 
 
-def _count(fraction: float, total: int, what: str) -> int:
+def head_count(fraction: float, total: int, what: str = "head_fraction") -> int:
+    """``max(1, floor(fraction * total))``: how many heads a fraction selects (ValueError outside (0, 1])."""
     check_number(what, fraction, 0.0, 1.0, low_open=True)
     return max(1, int(math.floor(fraction * total + 1e-9)))
 
@@ -256,7 +258,7 @@ def select_heads(scores: torch.Tensor, fraction: float) -> list[tuple[int, int, 
         raise ValueError(f"scores must be a non-empty (L, H) tensor, got shape {tuple(scores.shape)}")
     if not torch.isfinite(scores).all():
         raise ValueError("head scores contain NaN or inf")
-    k = _count(fraction, scores.numel(), "head_fraction")
+    k = head_count(fraction, scores.numel(), "head_fraction")
     L, H = scores.shape
     order = sorted(((float(scores[l, h]), l, h) for l in range(L) for h in range(H)), key=lambda t: (-t[0], t[1], t[2]))
     return [(l, h, s) for s, l, h in order[:k]]
