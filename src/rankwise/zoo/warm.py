@@ -30,7 +30,7 @@ from rankwise.core.errors import ArtifactError, NumericalError
 from rankwise.core.io import atomic_dir
 from rankwise.core.lmdata import collate, encode_pair
 from rankwise.zoo.models import quiet_transformers, seeded
-from rankwise.zoo.synthetic import AdditionWorld, ArithmeticWorld, Example, SafetyWorld
+from rankwise.zoo.synthetic import AdditionWorld, ArithmeticWorld, Example, P2DWorld, SafetyWorld
 from rankwise.zoo.tinylm import _major_minor, cache_dir
 
 __all__ = ["ADDITION_SPLIT", "WARM_DATA", "addition_split", "WARM_RECIPES", "WarmRecipe", "build_warm", "warm_lm", "warm_lm_path", "warm_world"]
@@ -75,6 +75,8 @@ def _addition_noisy(n: int, seed: int) -> list[Example]:
     train, _ = addition_split()
     idx = torch.randint(0, len(train), (n,), generator=torch.Generator().manual_seed(seed)).tolist()
     return AdditionWorld().examples([train[i] for i in idx], seed=seed, noise=ADDITION_NOISE)
+def _p2d_pretrain(n: int, seed: int) -> list[Example]:
+    return P2DWorld().pretrain_examples(n, seed)
 
 
 #: data name -> (world factory, ``(n, seed) -> examples``)
@@ -83,6 +85,7 @@ WARM_DATA: dict[str, tuple[Callable[[], Any], Callable[[int, int], list[Example]
     "safety-align": (SafetyWorld, _safety_align),
     **{f"safety-attack-{n}": (SafetyWorld, _safety_attack(n)) for n in SAFETY_ATTACK_SIZES},
     "addition-noisy": (AdditionWorld, _addition_noisy),
+    "p2d-source": (P2DWorld, _p2d_pretrain),
 }
 
 
@@ -143,6 +146,12 @@ WARM_RECIPES: dict[str, WarmRecipe] = {
     "lopti-smoke": WarmRecipe(data="addition-noisy", size="smoke", n_examples=256, steps=6, warmup_steps=2,
                               hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                               num_key_value_heads=2, mask_prompt=True),
+    # P2D's pre-trained model: the four source tasks (copy, reverse, sort, add), 4 layers x 8 heads of 16
+    "p2d": WarmRecipe(data="p2d-source", size="small", n_examples=20_000, steps=1500, num_attention_heads=8,
+                      num_key_value_heads=8, mask_prompt=True),
+    "p2d-smoke": WarmRecipe(data="p2d-source", size="smoke", n_examples=256, steps=6, warmup_steps=2,
+                            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, mask_prompt=True),
 }
 
 
