@@ -15,6 +15,8 @@ The rules, probabilities and lexicon sizes are written down in ``docs/methods/sa
 
 from __future__ import annotations
 
+import functools
+import itertools
 import random
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Mapping, NamedTuple, Sequence
@@ -146,6 +148,21 @@ PREPS = ("near", "behind", "beside", "with")
 ADVT = {"past": "yesterday", "pres": "now"}
 
 
+@functools.lru_cache(maxsize=None)
+def _nouns_of(classes: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(n for n, (_, c) in NOUNS.items() if c in classes)
+
+
+@functools.lru_cache(maxsize=None)
+def _verbs_of(frame: str) -> tuple[str, ...]:
+    return tuple(v for v, r in VERBS.items() if r[2] == frame)
+
+
+@functools.lru_cache(maxsize=None)
+def _adjs_for(cls: str | None) -> tuple[str, ...]:
+    return tuple(a for a, cs in ADJS.items() if cls in cs)
+
+
 def _article(next_word: str) -> str:
     return "an" if next_word[:1] in VOWELS else "a"
 
@@ -221,6 +238,8 @@ class SyntheticGrammar:
             if (n, v) not in fact_sv and rng.random() < self.heldout)
         self._reverse = {(o, v, s) for s, v, o in self.facts}
         self._rules, self._lexical = self._build_rules()
+        self._cum: dict[tuple[str, ...], list[float]] = {}
+        self._subj: dict[str, list[str]] = {}
 
     @classmethod
     def default(cls, seed: int = 0) -> "SyntheticGrammar":
@@ -229,8 +248,7 @@ class SyntheticGrammar:
     # ---------------------------------------------------------------------------------------- lexicon
     @staticmethod
     def nouns_of(classes: Iterable[str]) -> list[str]:
-        cs = set(classes)
-        return [n for n, (_, c) in NOUNS.items() if c in cs]
+        return list(_nouns_of(tuple(classes)))
 
     @staticmethod
     def noun_class(lemma: str) -> str | None:
@@ -248,7 +266,7 @@ class SyntheticGrammar:
 
     @staticmethod
     def verbs_of(frame: str) -> list[str]:
-        return [v for v, r in VERBS.items() if r[2] == frame]
+        return list(_verbs_of(frame))
 
     def lexical_entries(self) -> list[tuple[str, str, dict[str, str], str]]:
         """Every content word form: ``(word, tag, features, lemma)`` (what :class:`Lexicon` indexes)."""
@@ -378,7 +396,18 @@ class SyntheticGrammar:
 
     # ---------------------------------------------------------------------------------------- sampling
     def _pick(self, rng: random.Random, options: Sequence[str]) -> str:
-        return rng.choices(list(options), weights=[self.weights[o] for o in options])[0]
+        key = tuple(options)
+        cw = self._cum.get(key)
+        if cw is None:
+            cw = self._cum[key] = list(itertools.accumulate(self.weights[o] for o in key))
+        return rng.choices(key, cum_weights=cw)[0]
+
+    def _subjects(self, verb: str) -> list[str]:
+        """The allowed, not held-out subjects of ``verb``."""
+        out = self._subj.get(verb)
+        if out is None:
+            out = self._subj[verb] = [n for n in _nouns_of(VERBS[verb][3]) if (n, verb) not in self.heldout_pairs]
+        return out
 
     def _noun_phrase(self, b: _Builder, rng: random.Random, lemma: str, number: str, simple: bool,
                      tense: str) -> tuple:
@@ -388,7 +417,7 @@ class SyntheticGrammar:
         kids: list[tuple] = [b.leaf(f"DET.{number}", det, "DET", number=number)]
         cls = self.noun_class(lemma)
         if rng.random() < self.p_adj:
-            adj = self._pick(rng, [a for a, cs in ADJS.items() if cls in cs])
+            adj = self._pick(rng, _adjs_for(cls))
             nom = ("NOM." + number, b.leaf("ADJ", adj, "ADJ", adj, degree="pos"))
         else:
             nom = ("NOM." + number,)
@@ -478,7 +507,7 @@ class SyntheticGrammar:
             s, v = fact[0], fact[1]
         else:
             v = self._pick(rng, self.verbs_of(frame))
-            s = self._pick(rng, [n for n in self.nouns_of(VERBS[v][3]) if self._ok_subject(n, v)])
+            s = self._pick(rng, self._subjects(v))
         n = rng.choice(NUMBERS)
         subj = self._noun_phrase(b, rng, s, n, False, tense)
         s_i = self._head_index(subj)
