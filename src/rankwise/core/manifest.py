@@ -30,6 +30,7 @@ REGISTERED: dict[str, str] = {
     'riemannian_lora': 'rankwise.train.riemannian_lora',
     'root_purge': 'rankwise.science.root_purge',
     'saes_svd': 'rankwise.compress.saes_svd',
+    'sambal': 'rankwise.science.sambal.relex',
     'stiefel_cl': 'rankwise.adapt.stiefel_cl.model',
     'swift_svd': 'rankwise.compress.swift_svd',
     'token_dynamics': 'rankwise.science.token_dynamics',

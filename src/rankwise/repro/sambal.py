@@ -157,7 +157,8 @@ class SambalReproduction(Reproduction[SambalSettings, dict]):
         nat = g.sample(s.n_check, seed=1000 + seed)
         relex = Relexicalizer(Lexicon.from_grammar(g), seed=seed)
         out = [relex(x) for x in nat]
-        again = [Relexicalizer(Lexicon.from_grammar(g), seed=seed)(x) for x in nat]
+        relex2 = Relexicalizer(Lexicon.from_grammar(g), seed=seed)
+        again = [relex2(x) for x in nat]
         changed_feats = same_lemma = function_changed = 0
         for a, b in zip(nat, out):
             for ta, tb in zip(a.tokens, b.tokens):

@@ -36,7 +36,7 @@ import torch
 from rankwise.core.io import atomic_dir, read_json, write_json
 from rankwise.science.sambal import Lexicon, Relexicalizer, Sentence, SyntheticGrammar, random_replacement, shuffle_words
 
-__all__ = ["CORPORA", "MODEL_SIZES", "RECIPES", "SambalRecipe", "build", "corpus", "model_path",
+__all__ = ["CORPORA", "MODEL_SIZES", "RECIPES", "SambalRecipe", "build", "corpus", "model_path", "new_model",
            "non_embedding_params", "tokenizer", "trained_model"]
 
 log = logging.getLogger(__name__)
@@ -138,7 +138,7 @@ def non_embedding_params(model: torch.nn.Module) -> int:
     return sum(p.numel() for n, p in model.named_parameters() if not n.endswith(("wte.weight", "wpe.weight")))
 
 
-def _new_model(size: str, vocab: int, seq_len: int, seed: int, tok: Any) -> Any:
+def new_model(size: str, vocab: int, seq_len: int, seed: int, tok: Any) -> Any:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from rankwise.zoo.models import quiet_transformers, seeded
@@ -178,7 +178,7 @@ def _train(recipe_name: str, r: SambalRecipe, corpus_kind: str, size: str, seed:
     torch.set_num_threads(r.threads)
     try:
         t0 = time.perf_counter()
-        model = _new_model(size, len(tok), r.seq_len, seed, tok)
+        model = new_model(size, len(tok), r.seq_len, seed, tok)
         opt = make_optimizer("adamw", model, r.lr)
         res = pretrain(model, opt, train, eval_windows(valid, r.seq_len, 64), r.steps, seq_len=r.seq_len,
                        batch_size=r.batch_size, seed=seed, warmup=max(1, r.steps // 20),

@@ -14,11 +14,11 @@ docs/methods/sambal.md).
 from __future__ import annotations
 
 import random
-from typing import Callable
+from typing import Any, Callable
 
 from rankwise.core.validate import check_choice, check_int
 from rankwise.science.sambal.evaluate import MinimalPair
-from rankwise.science.sambal.grammar import NOUNS, NUMBERS, PREPS, VERBS, SyntheticGrammar
+from rankwise.science.sambal.world import NOUNS, NUMBERS, PREPS, VERBS
 
 __all__ = ["PHENOMENA", "PROBE_SETS", "make_probes"]
 
@@ -29,7 +29,7 @@ _OTHER = {"sg": "pl", "pl": "sg"}
 
 
 class _Gen:
-    def __init__(self, g: SyntheticGrammar, rng: random.Random):
+    def __init__(self, g: Any, rng: random.Random):
         self.g, self.rng = g, rng
         self.held = sorted(g.heldout_pairs)
 
@@ -117,8 +117,9 @@ class _Gen:
         return good, bad
 
 
-def make_probes(grammar: SyntheticGrammar, kind: str, n: int = 1000, seed: int = 0) -> list[MinimalPair]:
-    """``n`` distinct minimal pairs of probe set ``kind`` (one of :data:`PROBE_SETS`); ``syntax`` splits
+def make_probes(grammar: Any, kind: str, n: int = 1000, seed: int = 0) -> list[MinimalPair]:
+    """``n`` distinct minimal pairs of probe set ``kind`` (one of :data:`PROBE_SETS`) from ``grammar`` (a
+    :class:`~rankwise.science.sambal.SyntheticGrammar`); ``syntax`` splits
     ``n`` over the four phenomena. Deterministic in ``(grammar.seed, seed)``."""
     check_choice("make_probes kind", kind, PROBE_SETS)
     check_int("make_probes n", n, 1)
