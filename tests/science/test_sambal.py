@@ -214,6 +214,11 @@ def test_probes_are_minimal_pairs_with_the_right_grammaticality(grammar) -> None
     know, conf = grammar.probes("knowledge", 20), grammar.probes("conflict", 20)
     for p in know + conf:
         assert sorted(p.good.split()) == sorted(p.bad.split())  # the same words
+    assert {p.extra["kind"] for p in know} == {"fact", "selection"}
+    fact = next(p for p in know if p.extra["kind"] == "fact").good.split()
+    lemma = {grammar.noun_form(n, m): n for n in grammar.nouns_of(("animate", "food", "place", "tool"))
+             for m in ("sg", "pl")}
+    assert any(lemma[fact[1]] == s and lemma[fact[4]] == o for s, _, o in grammar.facts)
     for p in syn:
         assert len(p.good.split()) == len(p.bad.split())
     assert grammar.probes("syntax", 40) == syn  # deterministic

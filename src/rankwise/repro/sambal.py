@@ -132,7 +132,7 @@ class SambalReproduction(Reproduction[SambalSettings, dict]):
         for kind, size in r.arms:
             model = K.trained_model(s.recipe, kind, size, seed, cache=s.cache)
             res = {k: minimal_pair_accuracy(model, tok, probes[k], prefix_ids=eos) for k in SETS}
-            facts = [sc for sc, p in zip(res["knowledge"].scores, probes["knowledge"]) if self._is_fact(g, p.good)]
+            facts = [sc for sc, p in zip(res["knowledge"].scores, probes["knowledge"]) if p.extra["kind"] == "fact"]
             rows[ROW[(kind, size)]] = {
                 "scores": {k: v.scores for k, v in res.items()}, "acc": {k: v.accuracy for k, v in res.items()},
                 "by_uid": res["syntax"].by_uid, "facts": sum(facts) / max(1, len(facts)),
@@ -141,16 +141,6 @@ class SambalReproduction(Reproduction[SambalSettings, dict]):
                 "build_s": model.sambal_info["build_seconds"]}
         return {"rows": rows, "checks": self._relex_checks(s, g, seed),
                 "unigram": _unigram_entropy(tok, K.corpus(g, "natural", min(r.tokens, 100_000), seed, "valid"))}
-
-    @staticmethod
-    def _is_fact(g: SyntheticGrammar, text: str) -> bool:
-        w = text.split()
-        if len(w) != 6:
-            return False
-        lem = {g.noun_form(n, num): n for n in K.SyntheticGrammar.nouns_of(("animate", "food", "place", "tool"))
-               for num in ("sg", "pl")}
-        verbs = {g.verb_form(v, n, t): v for v in g.verbs_of("tr") for n in ("sg", "pl") for t in ("pres", "past")}
-        return (lem.get(w[1]), verbs.get(w[2]), lem.get(w[4])) in set(g.facts)
 
     def _relex_checks(self, s: SambalSettings, g: SyntheticGrammar, seed: int) -> dict[str, float]:
         """The spec's correctness checks on ``n_check`` natural sentences of this seed."""

@@ -32,6 +32,7 @@ class _Gen:
     def __init__(self, g: Any, rng: random.Random):
         self.g, self.rng = g, rng
         self.held = sorted(g.heldout_pairs)
+        self.last_kind: str | None = None  # knowledge / conflict: "fact" or "selection"
 
     def np(self, lemma: str, n: str) -> list[str]:
         return ["the", self.g.noun_form(lemma, n)]
@@ -102,13 +103,17 @@ class _Gen:
                 return s, v, o
 
     def knowledge(self) -> tuple[list[str], list[str]]:
-        s, v, o = self.plausible_triple(self.rng.random() < 0.5)
+        fact = self.rng.random() < 0.5
+        self.last_kind = "fact" if fact else "selection"
+        s, v, o = self.plausible_triple(fact)
         n, t = self.rng.choice(NUMBERS), self.rng.choice(("pres", "past"))
         verb = self.vf(v, n, t)
         return self.np(s, n) + [verb] + self.np(o, n) + ["."], self.np(o, n) + [verb] + self.np(s, n) + ["."]
 
     def conflict(self) -> tuple[list[str], list[str]]:
-        s, v, o = self.plausible_triple(self.rng.random() < 0.5)
+        fact = self.rng.random() < 0.5
+        self.last_kind = "fact" if fact else "selection"
+        s, v, o = self.plausible_triple(fact)
         ns = self.rng.choice(NUMBERS)
         no = _OTHER[ns]
         verb = self.vf(v, no)  # agrees with the object's number
@@ -128,7 +133,8 @@ def make_probes(grammar: Any, kind: str, n: int = 1000, seed: int = 0) -> list[M
     for j, k in enumerate(kinds):
         want = n // len(kinds) + (1 if j < n % len(kinds) else 0)
         rng = random.Random(f"sambal-probes-{grammar.seed}-{seed}-{k}")
-        make: Callable[[], tuple[list[str], list[str]]] = getattr(_Gen(grammar, rng), k)
+        gen = _Gen(grammar, rng)
+        make: Callable[[], tuple[list[str], list[str]]] = getattr(gen, k)
         seen: set[str] = set()
         tries = 0
         while len(seen) < want:
@@ -140,5 +146,6 @@ def make_probes(grammar: Any, kind: str, n: int = 1000, seed: int = 0) -> list[M
             if g in seen or g == b:
                 continue
             seen.add(g)
-            out.append(MinimalPair(g, b, uid=k, field=FIELD[k], pair_id=len(seen) - 1))
+            extra = {"kind": gen.last_kind} if gen.last_kind else None
+            out.append(MinimalPair(g, b, uid=k, field=FIELD[k], pair_id=len(seen) - 1, extra=extra))
     return out
