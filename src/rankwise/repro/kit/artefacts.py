@@ -16,6 +16,7 @@ __all__ = ["BUILDERS", "build_all"]
 BUILDERS: dict[str, str] = {
     "priorguide": "rankwise.repro.kit.score_models:build",
     "arpc": "rankwise.repro.kit.arpc_codec:build",
+    "sambal": "rankwise.repro.kit.sambal_models:build",
 }
 
 

@@ -75,6 +75,8 @@ RECIPES: dict[str, SambalRecipe] = {
                           seq_len=32, batch_size=8),
     # quick mode (claims 1-3): the spec's 300k-token budget, one seed
     "small": SambalRecipe(tokens=300_000, arms=_MAIN),
+    # a diagnostic, not a mode's recipe: the quick corpus seen four times (is the quick result about training length?)
+    "small-4ep": SambalRecipe(tokens=300_000, arms=_MAIN, epochs=4.0),
     # full mode (claims 1-4): 2M tokens, three seeds, the quarter-size models of claim 4 and the two
     # syntax-destroying controls of the spec's baselines
     "full": SambalRecipe(tokens=2_000_000, arms=_MAIN + (("sambal", "quarter"), ("natural", "quarter"),
