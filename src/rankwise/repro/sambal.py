@@ -103,7 +103,8 @@ class _Uniform(torch.nn.Module):
         return type("Out", (), {"logits": torch.zeros(*input_ids.shape, self.vocab)})()
 
 
-def _unigram_entropy(tok: Any, sentences: list[list[str]]) -> float:
+def _unigram_entropy(sentences: list[list[str]]) -> float:
+    """Entropy (nats) of the word unigram distribution of ``sentences`` with one <eos> per sentence."""
     from collections import Counter
 
     c = Counter(w for s in sentences for w in s)
@@ -141,7 +142,7 @@ class SambalReproduction(Reproduction[SambalSettings, dict]):
                 "loss": model.sambal_info["final_loss"], "params": model.sambal_info["non_embedding_params"],
                 "build_s": model.sambal_info["build_seconds"]}
         return {"rows": rows, "checks": self._relex_checks(s, g, seed),
-                "unigram": _unigram_entropy(tok, K.corpus(g, "natural", min(r.tokens, 100_000), seed, "valid"))}
+                "unigram": _unigram_entropy(K.corpus(g, "natural", min(r.tokens, 100_000), seed, "valid"))}
 
     def _relex_checks(self, s: SambalSettings, g: SyntheticGrammar, seed: int) -> dict[str, float]:
         """The spec's correctness checks on ``n_check`` natural sentences of this seed."""
