@@ -34,6 +34,7 @@ REGISTERED: dict[str, str] = {
     'root_purge': 'rankwise.science.root_purge',
     'saes_svd': 'rankwise.compress.saes_svd',
     'safety_one_shot': 'rankwise.train.safety_one_shot',
+    'sambal': 'rankwise.science.sambal.relex',
     'stiefel_cl': 'rankwise.adapt.stiefel_cl.model',
     'swift_svd': 'rankwise.compress.swift_svd',
     'token_dynamics': 'rankwise.science.token_dynamics',

@@ -18,6 +18,7 @@ BUILDERS: dict[str, str] = {
     "arpc": "rankwise.repro.kit.arpc_codec:build",
     "diffbcp": "rankwise.repro.kit.diffusion_priors:build",
     "uldnet": "rankwise.repro.kit.uldnet_models:build",
+    "sambal": "rankwise.repro.kit.sambal_models:build",
 }
 
 
