@@ -9,7 +9,7 @@ from rankwise.repro.kit import diffusion_priors as kit
 def test_modes_are_the_claims_regime_at_smaller_sizes():
     q, f = rd.SETTINGS["quick"], rd.SETTINGS["full"]
     assert q.observed[0] == f.observed[0] == 0.1 and q.sigma == f.sigma == 0.05
-    assert q.n_digits <= f.n_digits and q.iters <= f.iters and len(f.seeds) == 3 and 0.2 in f.observed
+    assert q.n_digits <= f.n_digits and q.iters <= f.iters and 0.2 in f.observed
     assert f.burn_in < f.iters and q.burn_in < q.iters
     assert (f.synth_size, f.synth_rank, f.synth_init_rank, f.synth_sweeps) == (20, 3, 16, 300)
     assert q.synth_sweeps == f.synth_sweeps  # the rank-recovery test runs at full size in quick mode too
