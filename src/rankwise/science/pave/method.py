@@ -208,6 +208,7 @@ def spec_from_inputs(encoder: nn.Module, inputs: Mapping[str, torch.Tensor], lab
     head: nn.Linear | None = None
     bs = [b for _, _, b in factors]
     losses: list[float] = []
+    ces: list[float] = []
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(config.seed)
         opt = sched = None
@@ -227,9 +228,8 @@ def spec_from_inputs(encoder: nn.Module, inputs: Mapping[str, torch.Tensor], lab
                 params = bs + (list(head.parameters()) if config.head else [])
                 opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
                 sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, config))
-            loss = nn.functional.cross_entropy(head(feats), labels[idx])
-            if config.l1_lambda > 0:
-                loss = loss + config.l1_lambda * l1_penalty(bs, config.l1_kind)
+            ce = nn.functional.cross_entropy(head(feats), labels[idx])
+            loss = ce + config.l1_lambda * l1_penalty(bs, config.l1_kind) if config.l1_lambda > 0 else ce
             if not bool(torch.isfinite(loss)):
                 raise RankwiseError(f"the spec fine-tune diverged at step {step} (loss {float(loss)}); lower "
                                     f"PaveConfig.lr (now {config.lr})")
@@ -239,12 +239,13 @@ def spec_from_inputs(encoder: nn.Module, inputs: Mapping[str, torch.Tensor], lab
             opt.step()
             sched.step()
             losses.append(float(loss.detach()))
+            ces.append(float(ce.detach()))
     assert head is not None
     tensors = {f"{m}.lora_B": b.detach().clone().float() for m, _, b in factors}
     if config.head:
         tensors["head.weight"] = head.weight.detach().clone().float()
         tensors["head.bias"] = head.bias.detach().clone().float()
-    info = {"n_examples": n, "steps": config.steps, "final_loss": losses[-1], "losses": losses,
+    info = {"n_examples": n, "steps": config.steps, "final_loss": losses[-1], "final_ce": ces[-1], "losses": losses,
             "seconds": time.perf_counter() - t0, "hidden_size": hidden_size}
     if base_model is not None:
         info["base_model"] = base_model

@@ -40,7 +40,8 @@ class PaveSpec:
             model order (the head last, when the config trains one).
         config: the :meth:`PaveConfig.to_dict` it was computed with.
         fingerprint: the base model's fingerprint (``"sha256:..."``), or None when unknown.
-        info: what the fine-tune saw: ``n_examples``, ``steps``, ``final_loss``, ``losses`` (per step),
+        info: what the fine-tune saw: ``n_examples``, ``steps``, ``final_loss`` (with the L1 term),
+            ``final_ce`` (cross-entropy alone), ``losses`` (per step),
             ``seconds`` (wall), ``base_model`` (a name, when known).
 
     Construction checks the contents; a NaN or inf (a diverged fine-tune) raises ``ValueError``.
