@@ -37,7 +37,16 @@ from rankwise.science.pave.identify import (
     score,
     trace_inner,
 )
-from rankwise.science.pave.method import l1_penalty, lr_factor, pave_spec, select_targets, shared_a, spec_from_inputs
+from rankwise.science.pave.method import (
+    SpecFit,
+    fit_spec,
+    l1_penalty,
+    lr_factor,
+    pave_spec,
+    select_targets,
+    shared_a,
+    spec_from_inputs,
+)
 from rankwise.science.pave.rkme import RKMESpec, rkme_data_mmd, rkme_identify, rkme_mmd, rkme_spec
 from rankwise.science.pave.spec import SPEC_KIND, PaveSpec, check_comparable
 
@@ -52,11 +61,13 @@ __all__ = [
     "PaveConfig",
     "PaveSpec",
     "RKMESpec",
+    "SpecFit",
     "check_comparable",
     "cosine",
     "delta_cosine",
     "delta_inner",
     "distance",
+    "fit_spec",
     "identify",
     "l1_penalty",
     "lr_factor",

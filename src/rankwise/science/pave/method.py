@@ -27,6 +27,7 @@ import hashlib
 import math
 import re
 import time
+from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -38,7 +39,7 @@ from rankwise.core.select import select
 from rankwise.science.pave.config import PaveConfig
 from rankwise.science.pave.spec import PaveSpec
 
-__all__ = ["ADAPTER", "l1_penalty", "lr_factor", "pave_spec", "select_targets", "shared_a", "spec_from_inputs"]
+__all__ = ["ADAPTER", "SpecFit", "fit_spec", "l1_penalty", "lr_factor", "pave_spec", "select_targets", "shared_a", "spec_from_inputs"]
 
 ADAPTER = "pave"
 _DIGITS = re.compile(r"^\d+$")
@@ -184,6 +185,18 @@ def _batches(n: int, config: PaveConfig) -> list[torch.Tensor]:
     return out
 
 
+@dataclass
+class SpecFit:
+    """What :func:`fit_spec` returns: the ``spec``, the adapted private copy of the encoder (``model``, with
+    the trained adapter named :data:`ADAPTER`), the trained ``head`` and the ``factors`` ``[(module, A, B)]``
+    (the live parameters of ``model``), for inspection: every A is still :func:`shared_a` of its module."""
+
+    spec: PaveSpec
+    model: nn.Module
+    head: nn.Linear
+    factors: list[tuple[str, nn.Parameter, nn.Parameter]]
+
+
 def spec_from_inputs(encoder: nn.Module, inputs: Mapping[str, torch.Tensor], labels: torch.Tensor | Sequence[int],
                      config: PaveConfig | None = None, *, fingerprint: str | None = None,
                      base_model: str | None = None) -> PaveSpec:
@@ -193,6 +206,13 @@ def spec_from_inputs(encoder: nn.Module, inputs: Mapping[str, torch.Tensor], lab
     ``attention_mask`` (N, L); ``labels``: (N,) ints in ``[0, num_labels)``. ``fingerprint`` defaults to
     the encoder's :func:`~rankwise.core.io.model_fingerprint`. ``encoder`` is not modified.
     """
+    return fit_spec(encoder, inputs, labels, config, fingerprint=fingerprint, base_model=base_model).spec
+
+
+def fit_spec(encoder: nn.Module, inputs: Mapping[str, torch.Tensor], labels: torch.Tensor | Sequence[int],
+             config: PaveConfig | None = None, *, fingerprint: str | None = None,
+             base_model: str | None = None) -> SpecFit:
+    """:func:`spec_from_inputs`, also returning the trained copy (a :class:`SpecFit`)."""
     config = config or PaveConfig()
     labels = torch.as_tensor(labels)
     n = _check_inputs(inputs, labels, config)
@@ -249,7 +269,7 @@ def spec_from_inputs(encoder: nn.Module, inputs: Mapping[str, torch.Tensor], lab
             "seconds": time.perf_counter() - t0, "hidden_size": hidden_size}
     if base_model is not None:
         info["base_model"] = base_model
-    return PaveSpec(tensors, config.to_dict(), fp, info)
+    return SpecFit(PaveSpec(tensors, config.to_dict(), fp, info), work, head, factors)
 
 
 def _forward(model: nn.Module, inputs: Mapping[str, torch.Tensor], idx: torch.Tensor) -> torch.Tensor:
