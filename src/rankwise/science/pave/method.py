@@ -71,7 +71,11 @@ def select_targets(model: nn.Module, config: PaveConfig) -> list[tuple[str, nn.L
     Raises :class:`SelectionError` when nothing matches and ``ValueError`` when ``rank`` exceeds
     ``min(in, out)`` of a target.
     """
-    hits = [(n, m) for n, m in select(model, config.target_modules) if isinstance(m, nn.Linear)]
+    try:
+        hits = [(n, m) for n, m in select(model, config.target_modules) if isinstance(m, nn.Linear)]
+    except SelectionError as e:
+        raise SelectionError(f"PaveConfig.target_modules={list(config.target_modules)} matches no module of this "
+                             f"model (a model of another kind than the config was written for?): {e}") from None
     if config.layers is not None:
         hits = [(n, m) for n, m in hits if _layer_index(n) in config.layers]
     if not hits:
