@@ -22,6 +22,7 @@ REGISTERED: dict[str, str] = {
     'lora_mixer': 'rankwise.adapt.lora_mixer.model',
     'mi_sprm': 'rankwise.science.mi_sprm.matrix',
     'mtlora': 'rankwise.adapt.mtlora.model',
+    'pave': 'rankwise.science.pave.method',
     'priorguide': 'rankwise.science.priorguide.sampling',
     'psoft': 'rankwise.adapt.psoft.model',
     'racs_alice': 'rankwise.train.racs_alice',
