@@ -104,6 +104,19 @@ def test_layers_restrict_the_targets(bert) -> None:
     assert spec.modules() == [f"encoder.layer.1.attention.self.{p}" for p in ("query", "key", "value")]
 
 
+def test_top_encoder_on_cached_outputs_matches_the_full_model(bert) -> None:
+    x, y = _data(5)
+    cfg = pv.PaveConfig(rank=4, steps=4, batch_size=8, layers=(1,))
+    full = pv.spec_from_inputs(bert, x, y, cfg)
+    with torch.no_grad():
+        h = bert(**x, output_hidden_states=True).hidden_states[1]  # the output of layer 0, cached
+    top = pv.spec_from_inputs(pv.TopEncoder(bert, (1,)), {"hidden": h, "attention_mask": x["attention_mask"]}, y, cfg)
+    assert top.modules() == full.modules()
+    torch.testing.assert_close(top.vector(), full.vector(), atol=1e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="layers must be indices"):
+        pv.TopEncoder(bert, (2,))
+
+
 def test_trace_formula_and_b_cosine_approximates_delta_cosine() -> None:
     g = torch.Generator().manual_seed(0)
     a = pv.shared_a("m", 384, 16, 3407)

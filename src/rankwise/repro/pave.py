@@ -25,7 +25,6 @@ The adapted layers are the top ``layers`` of the encoder: the frozen lower layer
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 import random
@@ -36,11 +35,18 @@ import torch
 from torch import nn
 
 from rankwise.core.io import model_fingerprint
-from rankwise.repro.kit.cached_encoder import FrozenPrefix, TopModel, batch_indices, cached_batches, evaluate_cached, \
-    train_lockstep
+from rankwise.repro.kit.cached_encoder import (
+    FrozenPrefix,
+    TopModel,
+    batch_indices,
+    cached_batches,
+    evaluate_cached,
+    train_lockstep,
+)
 from rankwise.repro.result import ClaimCheck, Precondition, Table
 from rankwise.repro.skeleton import Records, Reproduction, Settings, pyplot, save_figure, setting
 from rankwise.science import pave as pv
+from rankwise.science.pave import TopEncoder
 
 ID = "pave"
 CLAIM = ("PAVE specs (frozen shared A, B-only) identify the learnware of the user's task from a few labelled "
@@ -103,26 +109,6 @@ SETTINGS = {
     "full": PaveSettings(tasks=("dunder", "private", "raises", "returns_bool", "mentions_none", "length"),
                          spec_steps=100, dev_models=True, n_corrupt=2),
 }
-
-
-class TopEncoder(nn.Module):
-    """The top ``layers`` of a BERT encoder under their BertModel names (``encoder.layer.4...``), run on cached
-    lower-layer outputs: ``forward(hidden (B, L, H), attention_mask (B, L)) -> hidden (B, L, H)``."""
-
-    def __init__(self, bert: nn.Module, layers: tuple[int, ...]) -> None:
-        super().__init__()
-        self.config = bert.config
-        self.encoder = nn.Module()
-        self.encoder.layer = nn.ModuleDict({str(i): copy.deepcopy(bert.encoder.layer[i]) for i in sorted(layers)})
-
-    def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        from transformers.masking_utils import create_bidirectional_mask
-
-        m4 = create_bidirectional_mask(config=self.config, inputs_embeds=hidden, attention_mask=attention_mask)
-        for layer in self.encoder.layer.values():
-            hidden = layer(hidden, attention_mask=m4)
-            hidden = hidden[0] if isinstance(hidden, tuple) else hidden
-        return hidden
 
 
 class _Cache:

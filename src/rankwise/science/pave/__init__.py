@@ -9,7 +9,8 @@ spec has the highest cosine similarity; the score ``100 * sigmoid(cos / 0.1)`` l
 
 Layout: :mod:`.config` (:class:`PaveConfig`), :mod:`.method` (:func:`pave_spec`, :func:`spec_from_inputs`,
 :func:`shared_a`, :func:`l1_penalty`), :mod:`.spec` (:class:`PaveSpec`, the safetensors file,
-:func:`check_comparable`), :mod:`.identify` (:func:`identify`, :func:`cosine`, :func:`score`, the trace
+:func:`check_comparable`), :mod:`.prefix` (:class:`TopEncoder`: specs of the top layers on cached
+lower-layer outputs), :mod:`.identify` (:func:`identify`, :func:`cosine`, :func:`score`, the trace
 formula), :mod:`.rkme` (the RKME baseline through learnware's ``RKMETableSpecification``).
 
 Example::
@@ -47,6 +48,7 @@ from rankwise.science.pave.method import (
     shared_a,
     spec_from_inputs,
 )
+from rankwise.science.pave.prefix import TopEncoder
 from rankwise.science.pave.rkme import RKMESpec, rkme_data_mmd, rkme_identify, rkme_mmd, rkme_spec
 from rankwise.science.pave.spec import SPEC_KIND, PaveSpec, check_comparable
 
@@ -62,6 +64,7 @@ __all__ = [
     "PaveSpec",
     "RKMESpec",
     "SpecFit",
+    "TopEncoder",
     "check_comparable",
     "cosine",
     "delta_cosine",
