@@ -233,6 +233,13 @@ def test_bad_data(bert) -> None:
         pv.spec_from_inputs(bert, x, y, pv.PaveConfig(rank=4, steps=1, layers=(7,)))
 
 
+def test_diverged_fine_tune_is_refused(bert) -> None:
+    x, y = _data(5)
+    with pytest.raises(ValueError, match="diverged"):
+        pv.spec_from_inputs(bert, x, y, pv.PaveConfig(rank=4, steps=3, batch_size=8, lr=float("1e300"),
+                                                       max_grad_norm=1e300, l1_lambda=1e300))
+
+
 def test_config_validation() -> None:
     with pytest.raises(ValueError, match="PaveConfig.rank must be an int >= 1, got 0"):
         pv.PaveConfig(rank=0)

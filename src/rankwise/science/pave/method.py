@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from rankwise.core import io
-from rankwise.core.errors import RankwiseError, SelectionError
+from rankwise.core.errors import SelectionError
 from rankwise.core.select import select
 from rankwise.science.pave.config import PaveConfig
 from rankwise.science.pave.spec import PaveSpec
@@ -255,7 +255,7 @@ def fit_spec(encoder: nn.Module, inputs: Mapping[str, torch.Tensor], labels: tor
             ce = nn.functional.cross_entropy(head(feats), labels[idx])
             loss = ce + config.l1_lambda * l1_penalty(bs, config.l1_kind) if config.l1_lambda > 0 else ce
             if not bool(torch.isfinite(loss)):
-                raise RankwiseError(f"the spec fine-tune diverged at step {step} (loss {float(loss)}); lower "
+                raise ValueError(f"the spec fine-tune diverged at step {step} (loss {float(loss.detach())}); lower "
                                     f"PaveConfig.lr (now {config.lr})")
             opt.zero_grad(set_to_none=True)
             loss.backward()
