@@ -6,7 +6,7 @@
   on cached lower-layer outputs of 32 tokens (rank 16 on query/key/value, batch 16, 30 steps). PAVE trains,
   RKME clusters: PAVE is expected to cost more; the case says by how much.
 * ``identify_100``: rank 100 learnwares for one user. Anchor: RKME MMD^2 between 100-point reduced sets
-  (ours, float64, equal to learnware's ``dist``); PAVE: cosine of specs of 36,866 numbers
+  (ours, float64, equal to learnware's ``dist``); PAVE: cosine of specs of 37,634 numbers
   (:func:`rankwise.science.pave.identify`, comparability checks included). Goal: PAVE's ranking costs no
   more than RKME's.
 
@@ -84,7 +84,7 @@ def _identify(kind: str, n_lw: int) -> Callable[[], Callable[[], Any]]:
 
 def _cases(n: int, steps: int, n_lw: int, repeats: int) -> list[Case]:
     cases = [Case("identify_100" if n_lw == 100 else "identify", {k: _identify(k, n_lw) for k in ("RKME MMD", "PAVE cosine")},
-                  anchor="RKME MMD", params={"learnwares": n_lw, "pave_numbers": 36866, "rkme_points": 100},
+                  anchor="RKME MMD", params={"learnwares": n_lw, "pave_numbers": 37634, "rkme_points": 100},
                   repeats=repeats, warmup=1,
                   goals=(Goal("PAVE ranking costs no more than RKME's", impl="PAVE cosine", max_ratio=1.0),))]
     if _HAS_LEARNWARE:

@@ -233,6 +233,17 @@ def test_bad_data(bert) -> None:
         pv.spec_from_inputs(bert, x, y, pv.PaveConfig(rank=4, steps=1, layers=(7,)))
 
 
+def test_pave_spec_bad_texts(bert) -> None:
+    with pytest.raises(ValueError, match="empty data"):
+        pv.pave_spec(bert, None, [], [])
+    with pytest.raises(ValueError, match="2 texts but 1 labels"):
+        pv.pave_spec(bert, None, ["a b", "c d"], [0])
+    with pytest.raises(TypeError, match="not one str"):
+        pv.pave_spec(bert, None, "a b", [0])
+    with pytest.raises(ValueError, match="class indices"):
+        pv.pave_spec(bert, None, ["a b"], ["yes"])
+
+
 def test_diverged_fine_tune_is_refused(bert) -> None:
     x, y = _data(5)
     with pytest.raises(ValueError, match="diverged"):

@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import math
+import numbers
 import re
 import time
 from dataclasses import dataclass
@@ -304,8 +305,9 @@ def pave_spec(model: nn.Module, tokenizer: Any, texts: Sequence[str], labels: Se
         raise ValueError(f"{len(texts)} texts but {len(labels)} labels")
     if not all(isinstance(t, str) for t in texts):
         raise TypeError("texts must contain only str")
-    if not all(isinstance(y, int) and not isinstance(y, bool) for y in labels):
+    if not all(isinstance(y, numbers.Integral) and not isinstance(y, bool) for y in labels):
         raise ValueError("labels must be ints (class indices)")
+    labels = [int(y) for y in labels]
     enc = tokenizer(texts, padding="longest", truncation=True, max_length=config.max_length, return_tensors="pt")
     inputs = {k: v for k, v in enc.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
     return spec_from_inputs(model, inputs, torch.tensor(labels, dtype=torch.long), config, base_model=base_model)

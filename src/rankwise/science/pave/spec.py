@@ -114,10 +114,7 @@ class PaveSpec:
     @classmethod
     def load(cls, path: str | Path) -> "PaveSpec":
         """Read a file written by :meth:`save` (checksums verified); other files raise ArtifactError."""
-        try:
-            meta = io.read_metadata(path)
-        except ArtifactError:
-            raise
+        meta = io.read_metadata(path)
         if meta.get("kind") != SPEC_KIND:
             what = meta.get("kind") or "no rankwise kind"
             raise ArtifactError(f"{path}: not a PAVE spec (its metadata says {what!r}); write specs with "
