@@ -25,6 +25,7 @@ REGISTERED: dict[str, str] = {
     'mi_sprm': 'rankwise.science.mi_sprm.matrix',
     'mtlora': 'rankwise.adapt.mtlora.model',
     'p2d': 'rankwise.train.p2d.method',
+    'pave': 'rankwise.science.pave.method',
     'priorguide': 'rankwise.science.priorguide.sampling',
     'psoft': 'rankwise.adapt.psoft.model',
     'racs_alice': 'rankwise.train.racs_alice',
