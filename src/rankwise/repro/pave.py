@@ -106,8 +106,10 @@ SETTINGS = {
                           layers=(5,), rank=4, spec_steps=3, batch_size=8, rkme_k=8, dev_models=True, dev_steps=2,
                           ft_shots=8, n_corrupt=1, seeds=(0,)),
     "quick": PaveSettings(top1_min=0.75, seeds=(0,)),
+    # full: 6 tasks + 2 corrupted learnwares, 3 seeds; 60 spec steps (100 were sized at ~4,200 steps, 13-14
+    # CPU min for three seeds; 60 make ~3,100 steps, about 10 min)
     "full": PaveSettings(tasks=("dunder", "private", "raises", "returns_bool", "mentions_none", "length"),
-                         spec_steps=100, dev_models=True, n_corrupt=2),
+                         spec_steps=60, dev_models=True, n_corrupt=2),
 }
 
 
