@@ -44,3 +44,18 @@ def test_priorguide_smoke_has_the_spec_blocks(tmp_path):
     statements = " | ".join(c.statement for c in res.checks)
     assert "prior-scale sweep" in statements and "2-component mixture q" in statements
     assert priorguide.SETTINGS["full"].tasks == ("gaussian_linear", "two_moons", "sir")
+
+
+@pytest.mark.slow  # ~25 s of CPU: three tasks' tiny models and references
+def test_priorguide_smoke_runs_the_full_mode_tasks(tmp_path):
+    """Two moons and SIR (full mode's other tasks) run end to end on tiny in-memory models."""
+    from rankwise.repro import priorguide
+
+    res = priorguide.run("smoke", None, tmp_path / "out",
+                         overrides={"tasks": ("gaussian_linear", "two_moons", "sir"), "sweep_scales": ()})
+    rows = res.table.rows
+    for tag in ("[two moons]", "[SIR]"):
+        assert f"PriorGuide {tag}" in rows and f"PriorGuide [mixture q] {tag}" in rows, tag
+    statements = " | ".join(c.statement for c in res.checks)
+    assert "sir, off-centre Gaussian q" in statements and "two_moons, 2-component mixture q" in statements
+    assert "priorguide_sir_samples.png" in res.figures
