@@ -100,8 +100,8 @@ def score_model(task: str, seed: int = 0, *, recipe: dict[str, Any] | None = Non
         return pg.ScoreDiffusion.load(path)
     theta, x = task_data(task, seed, R["n_sims"], R["noise"])
     t0 = time.perf_counter()
-    m = pg.ScoreDiffusion(theta.shape[1], x.shape[1], sigma_min=R["sigma_min"], sigma_max=R["sigma_max"], hidden=R["ours_hidden"],
-                          layers=R["ours_layers"])
+    m = pg.ScoreDiffusion(theta.shape[1], x.shape[1], sigma_min=R["sigma_min"], sigma_max=R["sigma_max"],
+                          hidden=R["ours_hidden"], layers=R["ours_layers"])
     m.fit(theta, x, steps=R["ours_steps"], batch_size=R["ours_batch"], lr=R["ours_lr"], seed=seed)
     if cache:
         path.parent.mkdir(parents=True, exist_ok=True)
