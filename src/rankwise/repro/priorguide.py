@@ -109,8 +109,9 @@ class PriorGuideSettings(Settings):
 SETTINGS = {
     "smoke": PriorGuideSettings(n_obs=1, n_samples=60, steps=8, jacobian_row=False, sbi=False, c2st_trees=10,
                                 sweep_scales=(0.5,), recipe="smoke"),
-    # quick: with 400 samples and sbi's mixture rows it measured 71.6 s of CPU, with 400 samples alone 67 s (under load)
-    "quick": PriorGuideSettings(seeds=(0,), n_samples=300, c2st_trees=25, sbi_mixture=False),
+    # quick: 400 samples with sbi's mixture rows measured 71.6 s of CPU; 300 or 400 samples without them 67 s
+    # (sbi's two ratio fits are ~20 s of it: 1000 Adam steps here)
+    "quick": PriorGuideSettings(seeds=(0,), n_samples=300, c2st_trees=25, sbi_mixture=False, sbi_fit_steps=1000),
     # sized from the quick mode's measured CPU time (docs/methods/priorguide.md): ~10 min on one idle core
     # (3 tasks x 3 seeds x 3 observations; the spec's 10 observations per seed would take ~25 min)
     "full": PriorGuideSettings(tasks=("gaussian_linear", "two_moons", "sir"), n_obs=3, n_samples=300,
