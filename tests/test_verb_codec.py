@@ -74,8 +74,18 @@ def test_bad_inputs_are_one_line_errors(files: dict[str, Path]) -> None:
     assert res.exit_code == 0, res.output
     truncated = root / "t.arpc"
     truncated.write_bytes(out.read_bytes()[:-1])
+    flipped = bytearray(out.read_bytes())
+    flipped[-1] ^= 0x10  # one bit of the payload
+    corrupted = root / "c.arpc"
+    corrupted.write_bytes(bytes(flipped))
+    header_hit = bytearray(out.read_bytes())
+    header_hit[4] ^= 0x01  # one bit of the model hash
+    other = root / "h.arpc"
+    other.write_bytes(bytes(header_hit))
     cases = [
         (("codec", "decode", str(truncated), "-o", str(root / "t.png"), "--model", model), "truncated or corrupted"),
+        (("codec", "decode", str(corrupted), "-o", str(root / "c.png"), "--model", model), "truncated or corrupted"),
+        (("codec", "decode", str(other), "-o", str(root / "h.png"), "--model", model), "truncated or corrupted"),
         (("codec", "decode", str(out), "-o", str(root / "z.png"), "--complete", "mean", "--model", model), "complete"),
         (("codec", "encode", str(files["img"]), "--scales", "9", "-o", str(root / "n.arpc"), "--model", model),
          "num_scales"),
@@ -89,4 +99,5 @@ def test_bad_inputs_are_one_line_errors(files: dict[str, Path]) -> None:
         assert res.exit_code == 2, (args, res.output)
         assert message in res.stderr and "Traceback" not in res.output, (args, res.stderr)
         assert len(res.stderr.strip().splitlines()) == 1
-    assert not (root / "t.png").exists() and not (root / "n.arpc").exists()
+    for name in ("t.png", "c.png", "h.png", "n.arpc"):
+        assert not (root / name).exists(), name

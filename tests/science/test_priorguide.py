@@ -228,6 +228,118 @@ def test_sbi_adapter_matches_the_estimator():
     assert torch.allclose(got, want, atol=1e-5)
 
 
+def _vp_of(model: ExactGaussianScore, bmin: float = 0.1, bmax: float = 20.0):
+    """The VP process (sbi's linear beta schedule) whose VE equivalent has ``model``'s exact score."""
+    def m(t):
+        return torch.exp(-0.25 * t**2 * (bmax - bmin) - 0.5 * t * bmin)
+
+    def s(t):
+        return torch.sqrt(1 - m(t) ** 2)
+
+    def vp_score(theta_t, t, x):  # score of theta_t = m theta_0 + s eps, theta_0 | x ~ N(mean, var)
+        mean, var = model.post(torch.as_tensor(x, dtype=theta_t.dtype).reshape(-1, D))
+        mt, st = m(t).reshape(-1, 1).to(theta_t.dtype), s(t).reshape(-1, 1).to(theta_t.dtype)
+        return -(theta_t - mt * mean) / (mt**2 * var + st**2)
+
+    return pg.VPScoreAdapter(vp_score, m, s, t_min=1e-3, t_max=1.0, theta_dim=D, x_dim=D), m, s, vp_score
+
+
+def test_vp_adapter_is_the_ve_score_and_gives_the_spec_vp_formulas():
+    model = ExactGaussianScore(2.0, 0.5)
+    vp, m, s, vp_score = _vp_of(model)
+    y = torch.randn(6, D, dtype=torch.float64)
+    x = torch.tensor([0.3, -0.2], dtype=torch.float64)
+    for sig in (0.05, 0.7, 5.0):
+        sigma = torch.tensor(sig, dtype=torch.float64)
+        assert torch.allclose(vp.score(y, sigma, x), model.score(y, sigma, x), atol=1e-9)
+        t = vp.time_of(sigma)
+        assert abs(float(vp.sigma_of(t)) - sig) < 1e-9 * max(1.0, sig)
+        # spec §6: mu = (theta_t + (1 - abar) s_VP) / sqrt(abar), and g_theta = g_VE / sqrt(abar)
+        a = m(t)
+        theta_t = a * y
+        ratio = pg.PriorRatio(_gauss([1.0, -1.0], 0.2), "exact")
+        term = pg.guidance_term(pg.PriorGuide(ratio, clip=None), vp, y, sigma, x)
+        mu_vp = (theta_t + (1 - a**2) * vp_score(theta_t, t.reshape(1), x)) / a
+        assert torch.allclose(term.mu, mu_vp, atol=1e-9)
+        var0 = pg.reverse_variance(sigma)
+        c = torch.eye(D, dtype=torch.float64) * (0.2 + var0)
+        g_theta = torch.linalg.solve(c, (torch.tensor([1.0, -1.0], dtype=torch.float64) - mu_vp).T).T / a
+        assert torch.allclose(term.g / a, g_theta, atol=1e-9)
+    # the same start, seed and grid give the same guided samples as the VE model
+    vp.init_mean, vp.init_std = model.init_mean, model.init_std
+    ratio = pg.prior_ratio(_gauss([1.0, -1.0], 0.1), _box())
+    grid = pg.sigma_grid(5.0, 0.01, 30)
+    a = pg.sample(vp, x, 50, sigmas=grid, seed=1, guidance=pg.PriorGuide(ratio, jacobian=True))
+    b = pg.sample(model, x, 50, sigmas=grid, seed=1, guidance=pg.PriorGuide(ratio, jacobian=True))
+    assert (a.samples - b.samples).abs().max() < 1e-4
+
+
+def test_vp_adapter_checks_its_schedule():
+    model = ExactGaussianScore()
+    _, m, s, vp_score = _vp_of(model)
+    with pytest.raises(ValueError, match="increasing"):
+        pg.VPScoreAdapter(vp_score, s, m, t_min=1e-3, t_max=1.0, theta_dim=D, x_dim=D)  # sigma = m / s decreases
+    with pytest.raises(ValueError, match="t_max"):
+        pg.VPScoreAdapter(vp_score, m, s, t_min=1.0, t_max=0.5, theta_dim=D, x_dim=D)
+
+
+def test_sbi_vp_estimator_through_the_vp_adapter():
+    pytest.importorskip("sbi")
+    from sbi.neural_nets import posterior_score_nn
+
+    theta = torch.randn(64, D)
+    est = posterior_score_nn(model="mlp", sde_type="vp", hidden_features=16, num_layers=2)(theta, theta + 0.1)
+    with pytest.raises(ValueError, match="VPScoreAdapter"):
+        pg.SbiScoreAdapter(est)
+    ad = pg.VPScoreAdapter.from_sbi(est)
+    assert ad.theta_dim == D and ad.x_dim == D and ad.sigma_max > ad.sigma_min
+    t = torch.tensor([0.4])
+    with torch.no_grad():
+        m = est.mean_t_fn(t).reshape(())
+        sigma = (est.std_fn(t).reshape(()) / m).double()
+        y = torch.randn(3, D)
+        want = m * est(input=m * y, condition=torch.zeros(3, D), time=t)
+        got = ad.score(y.double(), sigma, torch.zeros(D))
+    assert torch.allclose(got.float(), want, atol=1e-4)
+
+
+def test_mmd2_matches_sbi_and_separates_shifted_samples():
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(200, D, generator=g), torch.randn(150, D, generator=g)
+    same, shifted = pg.mmd2(a, b), pg.mmd2(a, b + 1.0)
+    assert abs(same) < 0.02 and shifted > 10 * abs(same)
+    assert abs(pg.mmd2(a, b, scale=1.0) - pg.mmd2(b, a, scale=1.0)) < 1e-12
+    with pytest.raises(ValueError, match="mmd2"):
+        pg.mmd2(a[:1], b)
+    sbi_metrics = pytest.importorskip("sbi.utils.metrics")
+    assert abs(pg.mmd2(a, b + 0.3) - float(sbi_metrics.unbiased_mmd_squared(a.double(), (b + 0.3).double()))) < 1e-10
+
+
+def test_sir_simulator_and_grid_reference():
+    box = pg.BoxUniform(torch.tensor([1.0, 0.5]), torch.tensor([4.0, 2.0]))
+    theta = torch.tensor([[2.0, 1.0], [1.0, 2.0]], dtype=torch.float64)
+    curve = pg.sir_curve(theta)
+    assert curve.shape == (2, 10) and (curve >= 0).all() and (curve <= 1).all()
+    assert curve[0].max() > 0.05 and curve[1].max() < 0.01  # R0 = 2 spreads, R0 = 0.5 dies out
+    fine = pg.sir_curve(theta, dt=0.005)
+    assert (fine - curve).abs().max() < 1e-6  # RK4 at dt = 0.05 is converged
+    x = pg.sir(theta[:1], torch.Generator().manual_seed(0))
+    assert x.shape == (1, 10)
+    with pytest.raises(ValueError, match="theta"):
+        pg.sir_curve(torch.zeros(3, 3))
+    # the grid reference of a Gaussian likelihood under a Gaussian prior is the conjugate posterior
+    q = _gauss([2.5, 1.2], 0.04)
+
+    def loglik(th, xo):
+        return -0.5 * ((th - xo) ** 2).sum(-1) / 0.01
+
+    xo = torch.tensor([2.7, 1.0], dtype=torch.float64)
+    ref = pg.grid_reference(loglik, xo, q, box, 4000, cells=200, seed=0).double()
+    want = (xo / 0.01 + torch.tensor([2.5, 1.2], dtype=torch.float64) / 0.04) / (1 / 0.01 + 1 / 0.04)
+    assert (ref.mean(0) - want).abs().max() < 0.01
+    assert abs(float(ref.var(0).mean()) - 1 / (1 / 0.01 + 1 / 0.04)) < 0.001
+
+
 # --- bad input ---------------------------------------------------------------------------------------
 
 def test_non_psd_covariance_is_refused():

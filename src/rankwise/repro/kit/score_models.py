@@ -1,7 +1,8 @@
 """PriorGuide's trained score models, built once by a fixed recipe and cached (``rankwise zoo build``).
 
-For each task (``gaussian_linear``, ``two_moons``) and seed: ``N`` pairs simulated under the training
-prior (``Uniform[-3, 3]^2``; two moons ``Uniform[-1, 1]^2``), then
+For each task (``gaussian_linear``, ``two_moons``, ``sir``) and seed: ``N`` pairs simulated under the
+training prior (``Uniform[-3, 3]^2``; two moons ``Uniform[-1, 1]^2``; SIR ``(beta, gamma)`` in
+``[1, 4] x [0.5, 2]`` per week, 10 weekly noisy infected fractions), then
 
 * our :class:`~rankwise.science.priorguide.ScoreDiffusion` (MLP 4 x 64, ``sigma`` in [0.01, 5]),
   denoising score matching, Adam with cosine decay (``ours_*`` of :data:`RECIPE`);
@@ -33,7 +34,7 @@ __all__ = ["RECIPE", "TASKS", "build", "sbi_estimator", "score_model", "task_dat
 
 logger = logging.getLogger(__name__)
 
-TASKS = ("gaussian_linear", "two_moons")
+TASKS = ("gaussian_linear", "two_moons", "sir")
 RECIPE: dict[str, Any] = {
     "n_sims": 20_000, "noise": 0.1,
     "ours_hidden": 64, "ours_layers": 4, "ours_steps": 3000, "ours_batch": 128, "ours_lr": 1e-3,
@@ -50,12 +51,18 @@ def train_prior(task: str) -> pg.BoxUniform:
         return pg.BoxUniform(-3 * torch.ones(2), 3 * torch.ones(2))
     if task == "two_moons":
         return pg.BoxUniform(-torch.ones(2), torch.ones(2))
+    if task == "sir":
+        return pg.BoxUniform(torch.tensor([1.0, 0.5]), torch.tensor([4.0, 2.0]))
     raise ValueError(f"task={task!r} is not a PriorGuide task; choose from {list(TASKS)}")
 
 
 def simulate(task: str, theta: Tensor, gen: torch.Generator, noise: float = 0.1) -> Tensor:
+    """One draw of ``task``'s simulator per row of ``theta`` [N, 2] (``noise``: Gaussian-linear only;
+    SIR uses its own observation noise, ``pg.tasks.SIR_NOISE``)."""
     if task == "gaussian_linear":
         return pg.gaussian_linear(theta, noise, gen)
+    if task == "sir":
+        return pg.sir(theta, gen)
     return pg.two_moons(theta, gen)
 
 
@@ -93,8 +100,8 @@ def score_model(task: str, seed: int = 0, *, recipe: dict[str, Any] | None = Non
         return pg.ScoreDiffusion.load(path)
     theta, x = task_data(task, seed, R["n_sims"], R["noise"])
     t0 = time.perf_counter()
-    m = pg.ScoreDiffusion(2, 2, sigma_min=R["sigma_min"], sigma_max=R["sigma_max"], hidden=R["ours_hidden"],
-                          layers=R["ours_layers"])
+    m = pg.ScoreDiffusion(theta.shape[1], x.shape[1], sigma_min=R["sigma_min"], sigma_max=R["sigma_max"],
+                          hidden=R["ours_hidden"], layers=R["ours_layers"])
     m.fit(theta, x, steps=R["ours_steps"], batch_size=R["ours_batch"], lr=R["ours_lr"], seed=seed)
     if cache:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -11,9 +11,9 @@ around the Tweedie mean (spec §3-§5). Nothing is retrained.
 
 Layout: :mod:`.priors` (``GaussianMixture``, ``BoxUniform``, weighted EM, :func:`prior_ratio`),
 :mod:`.diffusion` (the :class:`ScoreModel` protocol, our :class:`ScoreDiffusion`, sbi's estimator via
-:class:`SbiScoreAdapter`), :mod:`.guidance` (:class:`PriorGuide`, :func:`guidance_term`),
-:mod:`.sampling` (:func:`sample`, :func:`importance_resample`), :mod:`.tasks` (simulators, reference
-posteriors, C2ST), :mod:`.sbi_peer` (sbi's NPSE and its own PriorGuide, imported lazily).
+:class:`SbiScoreAdapter`, VP models via :class:`VPScoreAdapter`), :mod:`.guidance` (:class:`PriorGuide`, :func:`guidance_term`),
+:mod:`.sampling` (:func:`sample`, :func:`importance_resample`), :mod:`.tasks` (simulators: Gaussian-linear, two moons, SIR; reference
+posteriors, C2ST, MMD), :mod:`.sbi_peer` (sbi's NPSE and its own PriorGuide, imported lazily).
 
 Example::
 
@@ -36,6 +36,7 @@ from rankwise.science.priorguide.diffusion import (
     ScoreDiffusion,
     ScoreModel,
     ScoreNet,
+    VPScoreAdapter,
     sigma_grid,
 )
 from rankwise.science.priorguide.guidance import (
@@ -60,7 +61,13 @@ from rankwise.science.priorguide.tasks import (
     gaussian_linear,
     gaussian_linear_box_reference,
     gaussian_linear_posterior,
+    grid_reference,
     mean_rmse,
+    mmd2,
+    sir,
+    sir_curve,
+    sir_log_likelihood,
+    sir_reference,
     two_moons,
     two_moons_log_likelihood,
     two_moons_reference,
@@ -81,18 +88,25 @@ __all__ = [
     "ScoreDiffusion",
     "ScoreModel",
     "ScoreNet",
+    "VPScoreAdapter",
     "c2st",
     "fit_gmm",
     "gaussian_linear",
     "gaussian_linear_box_reference",
     "gaussian_linear_posterior",
+    "grid_reference",
     "guidance_term",
     "importance_resample",
     "mean_rmse",
+    "mmd2",
     "prior_ratio",
     "reverse_variance",
     "sample",
     "sigma_grid",
+    "sir",
+    "sir_curve",
+    "sir_log_likelihood",
+    "sir_reference",
     "tweedie_mean",
     "two_moons",
     "two_moons_log_likelihood",

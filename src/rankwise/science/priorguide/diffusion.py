@@ -29,7 +29,7 @@ from rankwise.core import io
 from rankwise.core.errors import ArtifactError
 from rankwise.core.validate import check_int, check_number
 
-__all__ = ["FitResult", "SbiScoreAdapter", "ScoreDiffusion", "ScoreModel", "ScoreNet", "sigma_grid"]
+__all__ = ["FitResult", "SbiScoreAdapter", "ScoreDiffusion", "ScoreModel", "ScoreNet", "VPScoreAdapter", "sigma_grid"]
 
 
 @runtime_checkable
@@ -222,7 +222,8 @@ class SbiScoreAdapter:
 
     sbi parameterises noise by time ``t`` in ``[t_min, t_max]`` with ``std_fn(t) = s_min (s_max/s_min)^t``;
     the adapter maps ``sigma -> t = log(sigma/s_min) / log(s_max/s_min)`` and checks the inversion
-    against ``std_fn`` at construction (a ``ValueError`` for VP/sub-VP estimators, whose mean is not 1).
+    against ``std_fn`` at construction (a ``ValueError`` for VP/sub-VP estimators, whose mean is not 1:
+    use :meth:`VPScoreAdapter.from_sbi` for those).
     """
 
     def __init__(self, estimator: Any) -> None:
@@ -239,7 +240,7 @@ class SbiScoreAdapter:
             mean = estimator.mean_t_fn(t).reshape(-1).double()
         if not torch.allclose(mean, torch.ones_like(mean)):
             raise ValueError(f"SbiScoreAdapter supports VE estimators only ({type(estimator).__name__} has "
-                             f"mean_t != 1)")
+                             f"mean_t != 1); use VPScoreAdapter.from_sbi")
         self._s0 = float(getattr(estimator, "sigma_min"))
         self._s1 = float(getattr(estimator, "sigma_max"))
         want = self._s0 * (self._s1 / self._s0) ** t.double()
@@ -261,3 +262,95 @@ class SbiScoreAdapter:
             xx = xx[None].expand(th.shape[0], -1)
         t = self.time_of(sig).to(torch.float32)
         return self.estimator(input=th, condition=xx, time=t).to(dtype)
+
+
+class VPScoreAdapter:
+    """A variance-preserving (VP, or sub-VP) score model seen through the VE :class:`ScoreModel` protocol
+    (spec §6, the VP variant).
+
+    The VP forward process ``theta_t = m(t) theta_0 + s(t) eps`` (``m = sqrt(alpha_bar_t)``) is the VE process
+    ``y = theta_t / m = theta_0 + sigma eps`` with ``sigma(t) = s(t) / m(t)``, and the scores are related by
+    ``score_VE(y, sigma) = m score_VP(m y, t)``. Through this map the VE Tweedie mean is the spec's VP one,
+    ``mu = y + sigma^2 score_VE = (theta_t + s^2 score_VP) / m``, and the guidance in ``theta_t`` coordinates
+    is ``g_VE / m``: the extra ``1 / sqrt(alpha_bar_t)`` factor of the spec's chain rule. Guidance, the
+    Jacobian variant and the sampler therefore run unchanged, in ``y``.
+
+    ``score_fn(theta_t [N, D], t [N], x [N, M]) -> [N, D]`` is the VP score; ``mean_fn(t)``/``std_fn(t)`` are
+    ``m`` and ``s`` (tensors of any shape broadcastable from ``t`` [N]); ``sigma = s / m`` must increase with
+    ``t`` on ``[t_min, t_max]`` (checked); ``t(sigma)`` is found by bisection (float64, 60 halvings).
+    ``data_mean``/``data_std``: moments of ``theta_0`` (the sampler starts from ``N(mean, std^2 + sigma_max^2)``).
+    """
+
+    def __init__(self, score_fn: Any, mean_fn: Any, std_fn: Any, *, t_min: float, t_max: float, theta_dim: int,
+                 x_dim: int, data_mean: Any = 0.0, data_std: Any = 1.0) -> None:
+        self.theta_dim = check_int("VPScoreAdapter.theta_dim", theta_dim, lo=1)
+        self.x_dim = check_int("VPScoreAdapter.x_dim", x_dim, lo=1)
+        check_number("VPScoreAdapter.t_min", t_min)
+        check_number("VPScoreAdapter.t_max", t_max)
+        if not t_max > t_min:
+            raise ValueError(f"VPScoreAdapter.t_max must be > t_min={t_min}, got {t_max}")
+        self.score_fn, self.mean_fn, self.std_fn = score_fn, mean_fn, std_fn
+        self.t_min, self.t_max = float(t_min), float(t_max)
+        tt = torch.linspace(self.t_min, self.t_max, 257, dtype=torch.float64)
+        sig = self.sigma_of(tt)
+        if not torch.isfinite(sig).all() or (sig <= 0).any() or not (sig[1:] > sig[:-1]).all():
+            raise ValueError("VPScoreAdapter: std_fn(t) / mean_fn(t) must be positive and increasing on [t_min, t_max]")
+        self.sigma_min, self.sigma_max = float(sig[0]), float(sig[-1])
+        self.init_mean = torch.as_tensor(data_mean, dtype=torch.float64).reshape(-1).expand(self.theta_dim).clone()
+        std0 = torch.as_tensor(data_std, dtype=torch.float64).reshape(-1).expand(self.theta_dim)
+        self.init_std = torch.sqrt(std0**2 + self.sigma_max**2)
+
+    @classmethod
+    def from_sbi(cls, estimator: Any) -> "VPScoreAdapter":
+        """sbi's ``VPScoreEstimator`` / ``SubVPScoreEstimator`` (``NPSE(sde_type="vp")``) as a score model."""
+        for attr in ("std_fn", "mean_t_fn", "t_min", "t_max", "input_shape", "condition_shape", "mean_0", "std_0"):
+            if not hasattr(estimator, attr):
+                raise TypeError(f"VPScoreAdapter.from_sbi needs an sbi score estimator; {type(estimator).__name__} "
+                                f"has no {attr!r}")
+        est = estimator.eval()
+        d = int(math.prod(est.input_shape))
+
+        def score_fn(theta_t: Tensor, t: Tensor, x: Tensor) -> Tensor:
+            return est(input=theta_t.to(torch.float32), condition=x.to(torch.float32),
+                       time=t.to(torch.float32)).to(theta_t.dtype)
+
+        def mean_fn(t: Tensor) -> Tensor:
+            return est.mean_t_fn(t).reshape(-1).to(t.dtype)
+
+        def std_fn(t: Tensor) -> Tensor:
+            return est.std_fn(t).reshape(-1).to(t.dtype)
+
+        out = cls(score_fn, mean_fn, std_fn, t_min=float(est.t_min), t_max=float(est.t_max), theta_dim=d,
+                  x_dim=int(math.prod(est.condition_shape)), data_mean=est.mean_0.detach().double(),
+                  data_std=est.std_0.detach().double())
+        out.estimator = est
+        return out
+
+    def sigma_of(self, t: Tensor) -> Tensor:
+        t = torch.as_tensor(t, dtype=torch.float64)
+        with torch.no_grad():
+            return (torch.as_tensor(self.std_fn(t), dtype=torch.float64).reshape(t.shape)
+                    / torch.as_tensor(self.mean_fn(t), dtype=torch.float64).reshape(t.shape))
+
+    def time_of(self, sigma: Tensor) -> Tensor:
+        """``t`` with ``sigma(t) = sigma`` (bisection; ``sigma`` clamped to ``[sigma_min, sigma_max]``)."""
+        sig = torch.as_tensor(sigma, dtype=torch.float64).clamp(self.sigma_min, self.sigma_max)
+        lo = torch.full_like(sig, self.t_min)
+        hi = torch.full_like(sig, self.t_max)
+        for _ in range(60):
+            mid = 0.5 * (lo + hi)
+            below = self.sigma_of(mid) < sig
+            lo, hi = torch.where(below, mid, lo), torch.where(below, hi, mid)
+        return 0.5 * (lo + hi)
+
+    def score(self, theta_t: Tensor, sigma: Tensor, x: Tensor) -> Tensor:
+        """The VE score at ``y = theta_t`` (VE coordinates) and noise ``sigma`` [N] or scalar."""
+        n = theta_t.shape[0]
+        sig = torch.as_tensor(sigma, dtype=torch.float64).reshape(-1).expand(n)
+        uniq = torch.unique(sig)
+        t = self.time_of(uniq)[torch.searchsorted(uniq, sig.contiguous())] if uniq.numel() < n else self.time_of(sig)
+        m = torch.as_tensor(self.mean_fn(t), dtype=torch.float64).reshape(n, 1).to(theta_t.dtype)
+        xx = torch.as_tensor(x, dtype=theta_t.dtype)
+        if xx.ndim == 1:
+            xx = xx[None].expand(n, -1)
+        return m * self.score_fn(m * theta_t, t, xx)

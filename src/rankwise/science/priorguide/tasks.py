@@ -20,7 +20,8 @@ from torch import Tensor
 from rankwise.core.validate import check_int, check_number
 from rankwise.science.priorguide.priors import BoxUniform, GaussianMixture, _sample
 
-__all__ = ["c2st", "gaussian_linear", "gaussian_linear_posterior", "mean_rmse", "two_moons",
+__all__ = ["c2st", "gaussian_linear", "gaussian_linear_posterior", "grid_reference", "mean_rmse", "mmd2", "sir",
+           "sir_curve", "sir_log_likelihood", "sir_reference", "two_moons",
            "two_moons_log_likelihood", "two_moons_reference"]
 
 
@@ -144,3 +145,111 @@ def mean_rmse(a: Tensor, b: Tensor) -> float:
     ma = torch.as_tensor(a, dtype=torch.float64).mean(0)
     mb = torch.as_tensor(b, dtype=torch.float64).mean(0)
     return float(torch.sqrt(((ma - mb) ** 2).mean()))
+
+
+# ---- SIR epidemic (spec "Reproduction at small scale" (c)) -----------------------------------------------
+
+#: Observation times (weeks) and noise of :func:`sir`; the initial state is ``(S, I, R) = (0.99, 0.01, 0)``.
+SIR_TIMES = tuple(float(t) for t in range(1, 11))
+SIR_NOISE = 0.02
+SIR_I0 = 0.01
+
+
+def sir_curve(theta: Tensor, times: tuple[float, ...] = SIR_TIMES, dt: float = 0.05) -> Tensor:
+    """The infected fraction ``I(t)`` [N, len(times)] of the SIR ODE ``S' = -b S I``, ``I' = b S I - g I``
+    for ``theta = (b, g)`` [N, 2] (rates per week), by fixed-step RK4 (float64, vectorised over N)."""
+    th = torch.as_tensor(theta, dtype=torch.float64)
+    if th.ndim != 2 or th.shape[1] != 2:
+        raise ValueError(f"sir takes theta [N, 2] = (infection rate, recovery rate), got {tuple(th.shape)}")
+    check_number("sir_curve.dt", dt, lo=0.0, low_open=True)
+    b, g = th[:, 0], th[:, 1]
+    s = torch.full_like(b, 1.0 - SIR_I0)
+    i = torch.full_like(b, SIR_I0)
+
+    def f(s: Tensor, i: Tensor) -> tuple[Tensor, Tensor]:
+        inf = b * s * i
+        return -inf, inf - g * i
+
+    out, t = [], 0.0
+    for target in times:
+        n = max(1, int(round((target - t) / dt)))
+        h = (target - t) / n
+        for _ in range(n):
+            k1 = f(s, i)
+            k2 = f(s + 0.5 * h * k1[0], i + 0.5 * h * k1[1])
+            k3 = f(s + 0.5 * h * k2[0], i + 0.5 * h * k2[1])
+            k4 = f(s + h * k3[0], i + h * k3[1])
+            s = s + h / 6 * (k1[0] + 2 * k2[0] + 2 * k3[0] + k4[0])
+            i = i + h / 6 * (k1[1] + 2 * k2[1] + 2 * k3[1] + k4[1])
+        t = target
+        out.append(i)
+    return torch.stack(out, -1)
+
+
+def sir(theta: Tensor, generator: torch.Generator | None = None, noise: float = SIR_NOISE) -> Tensor:
+    """The SIR simulator: 10 weekly observations of the infected fraction plus ``N(0, noise^2)``; [N, 10]."""
+    curve = sir_curve(theta)
+    return (curve + noise * torch.randn(curve.shape, generator=generator, dtype=torch.float64)).to(theta.dtype)
+
+
+def sir_log_likelihood(theta: Tensor, x_obs: Tensor, noise: float = SIR_NOISE) -> Tensor:
+    """``log p(x_obs | theta)`` [N] of :func:`sir` (Gaussian observation noise)."""
+    x = torch.as_tensor(x_obs, dtype=torch.float64).reshape(-1)
+    r = sir_curve(theta) - x[None]
+    return -0.5 * (r**2).sum(-1) / noise**2 - x.numel() * math.log(noise * math.sqrt(2 * math.pi))
+
+
+def grid_reference(log_lik, x_obs: Tensor, prior: object, box: BoxUniform, n: int, *, cells: int = 300,
+                   seed: int = 0) -> Tensor:
+    """Exact-up-to-discretisation samples of a 2-D posterior ``prop. to p(x_obs | theta) prior(theta)`` on
+    ``box``: the unnormalised density on a ``cells x cells`` grid, cells drawn by their mass, a uniform
+    point inside each drawn cell (the cell size bounds the error). ``log_lik(theta, x_obs) -> [N]``."""
+    check_int("grid_reference.n", n, lo=1)
+    check_int("grid_reference.cells", cells, lo=2)
+    if box.low.numel() != 2:
+        raise ValueError("grid_reference works in 2 dimensions")
+    from rankwise.science.priorguide.priors import _log_prob
+
+    lo, hi = box.low, box.high
+    width = (hi - lo) / cells
+    ax = [lo[d] + width[d] * (torch.arange(cells, dtype=torch.float64) + 0.5) for d in range(2)]
+    g0, g1 = torch.meshgrid(ax[0], ax[1], indexing="ij")
+    pts = torch.stack([g0.reshape(-1), g1.reshape(-1)], -1)
+    logp = log_lik(pts, x_obs) + _log_prob(prior, pts)
+    if not torch.isfinite(logp).any():
+        raise ValueError("grid_reference: the posterior has no mass on the grid")
+    w = torch.softmax(torch.where(torch.isfinite(logp), logp, torch.tensor(-math.inf, dtype=torch.float64)), 0)
+    gen = torch.Generator().manual_seed(seed)
+    idx = torch.multinomial(w, n, replacement=True, generator=gen)
+    jitter = (torch.rand(n, 2, generator=gen, dtype=torch.float64) - 0.5) * width
+    return (pts[idx] + jitter).to(torch.float32)
+
+
+def sir_reference(x_obs: Tensor, prior: object, box: BoxUniform, n: int, *, seed: int = 0, cells: int = 300) -> Tensor:
+    """Reference samples of the SIR posterior under ``prior`` restricted to ``box`` (:func:`grid_reference`)."""
+    return grid_reference(sir_log_likelihood, x_obs, prior, box, n, cells=cells, seed=seed)
+
+
+# ---- MMD ----------------------------------------------------------------------------------------------------
+
+def mmd2(a: Tensor, b: Tensor, scale: float | None = None) -> float:
+    """Unbiased squared maximum mean discrepancy between samples ``a`` [N, D] and ``b`` [M, D] with a
+    Gaussian kernel ``exp(-|u - v|^2 / (2 scale^2))``; ``scale=None`` takes the median pairwise distance
+    of the pooled samples (the same estimator and heuristic as ``sbi.utils.metrics.unbiased_mmd_squared``).
+    0 in expectation for equal distributions (it can be slightly negative)."""
+    xa = torch.as_tensor(a, dtype=torch.float64)
+    xb = torch.as_tensor(b, dtype=torch.float64)
+    if xa.ndim != 2 or xb.ndim != 2 or xa.shape[1] != xb.shape[1] or len(xa) < 2 or len(xb) < 2:
+        raise ValueError(f"mmd2 needs two [N >= 2, D] sample sets of one dimension, got {tuple(xa.shape)} and "
+                         f"{tuple(xb.shape)}")
+    daa, dbb, dab = torch.cdist(xa, xa) ** 2, torch.cdist(xb, xb) ** 2, torch.cdist(xa, xb) ** 2
+    ia = torch.tril_indices(len(xa), len(xa), -1)
+    ib = torch.tril_indices(len(xb), len(xb), -1)
+    laa, lbb = daa[ia[0], ia[1]], dbb[ib[0], ib[1]]
+    if scale is None:
+        scale = float(torch.median(torch.sqrt(torch.cat([laa, dab.reshape(-1), lbb]))))
+    c = -0.5 / max(float(scale), 1e-8) ** 2
+    kaa = torch.exp(c * laa).mean()
+    kbb = torch.exp(c * lbb).mean()
+    kab = torch.exp(c * dab).mean()
+    return float(kaa + kbb - 2 * kab)
