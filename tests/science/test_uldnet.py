@@ -3,6 +3,7 @@ CKKS export's parameter choice and bad inputs (HE runs on a tiny context)."""
 
 from __future__ import annotations
 
+import warnings
 
 import numpy as np
 import pytest
@@ -93,8 +94,18 @@ def test_training_switches_and_penalises():
 
 def test_out_of_range_variance_warns():
     m, x, _ = _trained()
-    with pytest.warns(U.PolyNormRangeWarning):
+    with warnings.catch_warnings(record=True) as inside:
+        warnings.simplefilter("always")
+        m(x)
+    with warnings.catch_warnings(record=True) as outside:
+        warnings.simplefilter("always")
         m(100 * x)
+    def flagged(ws: list) -> int:  # samples the warnings name as outside the approximation's range
+        return sum(int(str(w.message).split("PolyNorm: ")[1].split(" sample")[0]) for w in ws
+                   if issubclass(w.category, U.PolyNormRangeWarning))
+
+    assert flagged(outside) > flagged(inside)
+    assert flagged(outside) >= len(x)
 
 
 def test_depth_counting_per_operator():
