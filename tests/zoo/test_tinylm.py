@@ -89,6 +89,22 @@ def test_batches_perplexity_and_build(cache: Path) -> None:
     assert math.isfinite(ppl) and 1.0 < ppl < 10 * len(tok)
     with pytest.raises(ValueError, match="split"):
         token_batches(tok, "test")
+    # the smoke set also builds the GQA Llama and the Qwen2-MoE twins
+    assert set(result["tiny_lm"]) == {"smoke", "gqa-smoke", "moe-smoke"}
+    gqa, _ = tiny_lm("gqa-smoke")
+    assert type(gqa).__name__ == "LlamaForCausalLM"
+    assert (gqa.config.num_attention_heads, gqa.config.num_key_value_heads) == (8, 2)
+    moe, moe_tok = tiny_lm("moe-smoke")
+    assert type(moe).__name__ == "Qwen2MoeForCausalLM" and moe.config.num_experts == 8
+    assert moe.config.num_experts_per_tok == 2
+    assert math.isfinite(perplexity(moe, moe_tok, "eval", seq_len=32, max_tokens=32 * 4))
+
+
+def test_new_architecture_fields_keep_old_cache_keys() -> None:
+    from rankwise.zoo.tinylm import _recipe_key
+
+    assert "arch" not in _recipe_key("small")["recipe"]  # the Llama recipes hash as before the MoE fields
+    assert _recipe_key("moe")["recipe"]["arch"] == "qwen2_moe"
 
 
 def test_datasets_and_info_state_provenance(cache: Path) -> None:

@@ -17,10 +17,31 @@ import typer
 
 from rankwise.verbs import common
 
-__all__ = ["METHOD_CHOICES", "compress_command", "compress_cmd", "register"]
+__all__ = ["METHOD_CHOICES", "MODEL_METHODS", "compress_command", "compress_cmd", "register"]
 
 #: The methods the CLI advertises.
 METHOD_CHOICES = ("swift-svd", "saes-svd", "gfwsvd", "svd", "asvd", "fwsvd", "svd-llm")
+
+#: Methods that transform a whole causal LM (experts, KV cache) rather than its linear layers one by one.
+#: Each lives in its own module here, ``rankwise.verbs.compress_<name>``, defining
+#: ``run(ctx, *, ratio, model, calib, out, overwrite, seed, n_calib) -> None`` (load, compress, print the
+#: per-expert / per-head table, save atomically); ``rankwise compress --method <name>`` hands over to it.
+MODEL_METHODS = {"heapr": "rankwise.verbs.compress_heapr", "star-kv": "rankwise.verbs.compress_star_kv"}
+
+
+def _model_method(name: str) -> Any:
+    """The module of a whole-model method named ``name`` (``None`` when it names a layer method)."""
+    import importlib
+
+    from rankwise.core.errors import UnknownMethodError
+
+    norm = name.strip().lower().replace("_", "-")
+    if norm not in MODEL_METHODS:
+        return None
+    try:
+        return importlib.import_module(MODEL_METHODS[norm])
+    except ModuleNotFoundError as e:
+        raise UnknownMethodError(f"method {name!r} is not available in this installation ({e})") from None
 
 
 def _resolve_method(name: str) -> str:
@@ -157,7 +178,8 @@ def compress_command(
 
 def compress_cmd(
     ctx: typer.Context,
-    method: str = typer.Option(..., "--method", help="swift-svd, saes-svd, gfwsvd, svd, asvd, fwsvd or svd-llm."),
+    method: str = typer.Option(..., "--method", help="swift-svd, saes-svd, gfwsvd, svd, asvd, fwsvd, svd-llm; "
+                                "heapr (MoE experts) or star-kv (KV cache)."),
     ratio: float = typer.Option(0.4, "--ratio", help="Kept-parameter fraction of the compressed layers, in (0, 1]."),
     model: Optional[Path] = typer.Option(None, "--model", help="A save_pretrained model directory (default: the "
                                          "embedded all-MiniLM-L6-v2)."),
@@ -173,8 +195,16 @@ def compress_cmd(
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing --out directory."),
 ) -> None:
     """Compress a model's linear layers with an SVD method; print per-layer ranks and errors, the
-    embedding fidelity on held-out text and the forward-time ratio."""
+    embedding fidelity on held-out text and the forward-time ratio. ``--method heapr`` prunes a
+    mixture-of-experts LM's atomic experts and ``--method star-kv`` learns per-head ranks of the KV cache
+    (default model: the zoo's tiny MoE / GQA LM); both print a per-expert / per-head table."""
     from rich.table import Table
+
+    whole = _model_method(method)
+    if whole is not None:
+        whole.run(ctx, ratio=ratio, model=model, calib=calib, out=out, overwrite=overwrite, seed=seed,
+                  n_calib=n_calib)
+        return
 
     res = compress_command(method, ratio, model_dir=model, calib_file=calib, eval_file=eval_file, out=out,
                            mode=mode, allocation=allocation, n_calib=n_calib, n_eval=n_eval, seed=seed,

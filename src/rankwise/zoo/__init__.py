@@ -41,6 +41,7 @@ from rankwise.zoo.models import (
 from rankwise.zoo.synthetic import AdditionWorld, ArithmeticWorld, Example, P2DWorld, SafetyWorld
 from rankwise.zoo.tasks import TextTask, UnknownTaskError, text_task, text_tasks
 from rankwise.zoo.tinylm import (
+    BUILD_SETS,
     RECIPES,
     build_tiny_lm,
     cache_dir,
@@ -205,7 +206,8 @@ def build(force: bool = False, sizes: Sequence[str] = ("small",), progress: bool
           size: str | None = None) -> dict[str, Any]:
     """(Re)build every cached artefact of the zoo; what ``rankwise zoo build`` calls.
 
-    Builds the tiny LM and the pretrained tiny ViT of each size in ``sizes`` (``force`` retrains even if
+    Builds the tiny LMs (``BUILD_SETS[size]``: the Llama, the GQA Llama at context 1024 and the
+    Qwen2-MoE) and the pretrained tiny ViT of each size in ``sizes`` (``force`` retrains even if
     cached) and checks the other defaults (the corpus, the packaged MiniLM). Returns ``{"tiny_lm": {size:
     record}, "tiny_vit": {size: record}, "corpus": {...}, "minilm": {...}, "time_s": ...}`` where a record holds
     the path and the metrics (validation and unigram perplexity, source accuracy, build time). ``progress`` shows a progress bar on a TTY.
@@ -215,9 +217,9 @@ def build(force: bool = False, sizes: Sequence[str] = ("small",), progress: bool
         sizes = (size,)
     if isinstance(sizes, str):
         sizes = (sizes,)
-    unknown = [s for s in sizes if s not in RECIPES]
+    unknown = [s for s in sizes if s not in BUILD_SETS]
     if unknown:
-        raise ValueError(f"sizes={list(sizes)} contains unknown sizes {unknown}; choose from {list(RECIPES)}")
+        raise ValueError(f"sizes={list(sizes)} contains unknown sizes {unknown}; choose from {list(BUILD_SETS)}")
     t0 = time.perf_counter()
     c = corpus()
     out: dict[str, Any] = {
@@ -227,7 +229,8 @@ def build(force: bool = False, sizes: Sequence[str] = ("small",), progress: bool
         "tiny_vit": {},
     }
     for size in sizes:
-        out["tiny_lm"][size] = build_tiny_lm(size, force=force, progress=progress and sys.stderr.isatty())
+        for lm in BUILD_SETS[size]:
+            out["tiny_lm"][lm] = build_tiny_lm(lm, force=force, progress=progress and sys.stderr.isatty())
         out["tiny_vit"][size] = build_tiny_vit(size, force=force, progress=progress and sys.stderr.isatty())
     out["warm"] = {name: build_warm(name, force=force) for name, r in WARM_RECIPES.items() if r.size in sizes}
     out["time_s"] = time.perf_counter() - t0

@@ -52,6 +52,7 @@ from rankwise.zoo.docstrings import SPLITS, corpus
 from rankwise.zoo.models import quiet_transformers, seeded
 
 __all__ = [
+    "BUILD_SETS",
     "RECIPES",
     "TinyLMRecipe",
     "build_tiny_lm",
@@ -94,6 +95,21 @@ class TinyLMRecipe:
     tokenizer_max_docs: int | None = None  # None: the whole train split
     max_eval_tokens: int | None = None  # None: the whole eval split
     version: int = 1  # bump when the build code changes what a recipe produces
+    # architecture: "llama" (LlamaForCausalLM; GQA when num_key_value_heads < num_attention_heads) or
+    # "qwen2_moe" (Qwen2MoeForCausalLM: every layer a routed mixture of experts plus a gated shared
+    # expert; trained with the router's load-balancing loss). The MoE fields are ignored for "llama".
+    arch: str = "llama"
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    router_aux_loss_coef: float = 0.0
+
+
+# fields added after the first recipes were cached: left out of the cache key while at their default,
+# so that adding them did not invalidate the caches of the Llama recipes
+_LATE_FIELDS = {"arch": "llama", "num_experts": 0, "num_experts_per_tok": 0, "moe_intermediate_size": 0,
+                "shared_expert_intermediate_size": 0, "router_aux_loss_coef": 0.0}
 
 
 RECIPES: dict[str, TinyLMRecipe] = {
@@ -105,7 +121,29 @@ RECIPES: dict[str, TinyLMRecipe] = {
     "small": TinyLMRecipe(vocab_size=2048, hidden_size=128, intermediate_size=344, num_hidden_layers=4,
                           num_attention_heads=4, num_key_value_heads=4, seq_len=128, batch_size=16,
                           steps=600, lr=3e-3, warmup_steps=30),
+    # a grouped-query-attention Llama trained at context 1024: 8 query heads of dim 32 sharing 2 KV
+    # heads (SANTA's decode attention, STAR-KV's per-head key ranks)
+    "gqa-smoke": TinyLMRecipe(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                              num_attention_heads=8, num_key_value_heads=2, seq_len=256, batch_size=2, steps=6,
+                              lr=3e-3, warmup_steps=2, tokenizer_max_docs=300, max_eval_tokens=2048),
+    "gqa": TinyLMRecipe(vocab_size=2048, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                        num_attention_heads=8, num_key_value_heads=2, seq_len=1024, batch_size=4, steps=400,
+                        lr=2e-3, warmup_steps=30),
+    # a Qwen2-MoE: 8 routed experts (top-2, expert FFN 64) and a shared expert in every layer (HEAPr)
+    "moe-smoke": TinyLMRecipe(vocab_size=384, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                              num_attention_heads=2, num_key_value_heads=2, seq_len=32, batch_size=4, steps=8,
+                              lr=3e-3, warmup_steps=2, tokenizer_max_docs=300, max_eval_tokens=2048,
+                              arch="qwen2_moe", num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+                              shared_expert_intermediate_size=32, router_aux_loss_coef=0.01),
+    "moe": TinyLMRecipe(vocab_size=2048, hidden_size=128, intermediate_size=344, num_hidden_layers=4,
+                        num_attention_heads=4, num_key_value_heads=4, seq_len=128, batch_size=16, steps=600,
+                        lr=3e-3, warmup_steps=30, arch="qwen2_moe", num_experts=8, num_experts_per_tok=2,
+                        moe_intermediate_size=64, shared_expert_intermediate_size=128, router_aux_loss_coef=0.01),
 }
+
+#: what ``rankwise zoo build --size S`` builds of the tiny LMs
+BUILD_SETS: dict[str, tuple[str, ...]] = {"smoke": ("smoke", "gqa-smoke", "moe-smoke"),
+                                          "small": ("small", "gqa", "moe")}
 
 
 def cache_dir() -> Path:
@@ -132,9 +170,10 @@ def _recipe_key(size: str) -> dict[str, Any]:
     import tokenizers
     import transformers
 
+    recipe = {k: v for k, v in asdict(_recipe(size)).items() if k not in _LATE_FIELDS or v != _LATE_FIELDS[k]}
     return {
         "size": size,
-        "recipe": asdict(_recipe(size)),
+        "recipe": recipe,
         "corpus_sha256": corpus().info["sha256"],
         "torch": _major_minor(torch.__version__),
         "transformers": _major_minor(transformers.__version__),
@@ -278,22 +317,41 @@ def _progress(enabled: bool, total: int, label: str) -> Iterator[Any]:
         yield lambda **kw: bar.update(task, advance=1, info=" ".join(f"{k}={v}" for k, v in kw.items()))
 
 
-def _train(size: str, out: Path, progress: bool) -> dict[str, Any]:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    recipe = _recipe(size)
-    t0, cpu0 = time.perf_counter(), time.process_time()
-    tokenizer = _train_tokenizer(recipe)
-    train_stream = token_stream(tokenizer, "train")
-    eval_stream = token_stream(tokenizer, "eval")
-    config = LlamaConfig(
+def _new_model(recipe: TinyLMRecipe, tokenizer: Any) -> Any:
+    fields = dict(
         vocab_size=len(tokenizer), hidden_size=recipe.hidden_size, intermediate_size=recipe.intermediate_size,
         num_hidden_layers=recipe.num_hidden_layers, num_attention_heads=recipe.num_attention_heads,
         num_key_value_heads=recipe.num_key_value_heads, max_position_embeddings=2 * recipe.seq_len,
         tie_word_embeddings=False, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id)
+    if recipe.arch == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config_cls, model_cls = LlamaConfig, LlamaForCausalLM
+    elif recipe.arch == "qwen2_moe":
+        from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+        fields.update(num_experts=recipe.num_experts, num_experts_per_tok=recipe.num_experts_per_tok,
+                      moe_intermediate_size=recipe.moe_intermediate_size,
+                      shared_expert_intermediate_size=recipe.shared_expert_intermediate_size,
+                      router_aux_loss_coef=recipe.router_aux_loss_coef, norm_topk_prob=False,
+                      decoder_sparse_step=1, mlp_only_layers=[], use_sliding_window=False)
+        config_cls, model_cls = Qwen2MoeConfig, Qwen2MoeForCausalLM
+    else:
+        raise ValueError(f"TinyLMRecipe.arch must be 'llama' or 'qwen2_moe', got {recipe.arch!r}")
     with seeded(recipe.seed):
-        model = LlamaForCausalLM(config)
+        return model_cls(config_cls(**fields))
+
+
+def _train(size: str, out: Path, progress: bool) -> dict[str, Any]:
+    recipe = _recipe(size)
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    tokenizer = _train_tokenizer(recipe)
+    train_stream = token_stream(tokenizer, "train")
+    eval_stream = token_stream(tokenizer, "eval")
+    model = _new_model(recipe, tokenizer)
+    # the MoE recipe adds the router's load-balancing loss (weighted by router_aux_loss_coef) while training
+    router_loss = {"output_router_logits": True} if recipe.arch == "qwen2_moe" else {}
     decay = [p for n, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.ndim < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": recipe.weight_decay},
@@ -312,7 +370,7 @@ def _train(size: str, out: Path, progress: bool) -> dict[str, Any]:
             batch = train_stream[starts + offsets]
             for group in opt.param_groups:
                 group["lr"] = _lr_at(step, recipe)
-            loss = model(input_ids=batch, labels=batch).loss
+            loss = model(input_ids=batch, labels=batch, **router_loss).loss
             if not torch.isfinite(loss):
                 from rankwise.core.errors import NumericalError
 
@@ -419,16 +477,21 @@ def tiny_lm(size: str = "small", rebuild: bool = False, progress: bool | None = 
     (about 1.3M parameters), trained 600 steps of 16 x 128 tokens; the first call builds it (about
     1-3 min on 2 CPU cores) and caches it, later calls load it (well under a second).
     ``size="smoke"``: a few-second build for tests. ``rebuild=True`` retrains and replaces the cache.
-    Returns ``(LlamaForCausalLM in eval mode, PreTrainedTokenizerFast)``; see :func:`tiny_lm_info`
+    ``size="gqa"``: a grouped-query Llama (hidden 256, 4 layers, 8 query heads of dim 32 over 2 KV
+    heads, FFN 688) trained 400 steps of 4 x 1024 tokens (context 1024). ``size="moe"``: a
+    Qwen2-MoE (hidden 128, 4 layers, 8 routed experts top-2 with expert FFN 64 plus a gated shared
+    expert of FFN 128), trained like ``small`` with the router's load-balancing loss.
+    ``gqa-smoke`` / ``moe-smoke``: seconds-long builds of the same architectures for tests.
+    Returns ``(causal LM in eval mode, PreTrainedTokenizerFast)``; see :func:`tiny_lm_info`
     for the measured perplexities.
     """
-    from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
     record = build_tiny_lm(size, force=rebuild, progress=progress)
     path = record["path"]
     try:
         with quiet_transformers():
-            model = LlamaForCausalLM.from_pretrained(path, local_files_only=True)
+            model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
             tokenizer = PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as exc:
         raise ArtifactError(f"cannot load the cached tiny LM at {path} ({exc}); rebuild it with "
