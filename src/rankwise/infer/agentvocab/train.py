@@ -27,12 +27,14 @@ IGNORE = -100
 
 
 def sft_example(tokenizer: Any, r: Rendered, max_length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(ids, labels)`` (1-D, at most ``max_length`` tokens) of a rendered trajectory."""
+    """``(ids, labels)`` (1-D, at most ``max_length`` tokens) of a rendered trajectory; a longer one keeps its
+    last ``max_length`` tokens (the assistant turns are at the end; the start of the system prompt goes)."""
     enc = tokenizer(r.text, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
-    ids = enc["input_ids"][:max_length]
+    ids = enc["input_ids"][-max_length:]
+    offsets = enc["offset_mapping"][-max_length:]
     labels = []
     spans = r.train_spans
-    for tid, (a, b) in zip(ids, enc["offset_mapping"]):
+    for tid, (a, b) in zip(ids, offsets):
         inside = any(s <= a and b <= e for s, e in spans)
         labels.append(tid if inside else IGNORE)
     return torch.tensor(ids, dtype=torch.long), torch.tensor(labels, dtype=torch.long)
@@ -70,6 +72,8 @@ def sft_train(model: torch.nn.Module, tokenizer: Any, rendered: Sequence[Rendere
             ids[row, :n], labels[row, :n], mask[row, :n] = data[i][0], data[i][1], 1
         for g in opt.param_groups:
             g["lr"] = _lr(step, steps, lr, min(warmup, max(1, steps // 10)))
+        if not (labels[:, 1:] != IGNORE).any():
+            raise ValueError(f"sft_train: batch {step} has no assistant token to train on (max_length={max_length})")
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         if not torch.isfinite(loss):
             raise FloatingPointError(f"sft_train: non-finite loss at step {step}")
@@ -77,7 +81,7 @@ def sft_train(model: torch.nn.Module, tokenizer: Any, rendered: Sequence[Rendere
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     model.eval()
     return losses
 
