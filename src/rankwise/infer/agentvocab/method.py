@@ -177,7 +177,12 @@ def continued_bpe(tokenizer: Any, texts: Sequence[str], budget: int, min_freq: i
     bpe.train_from_iterator((seqs[w] for w, n in words.items() for _ in range(n) if len(seqs[w]) >= 2), trainer=trainer)
     merges = json.loads(bpe.to_str())["model"]["merges"]
     tj = json.loads(backend.to_str())
-    vocab, known = tj["model"]["vocab"], set(tj["model"]["vocab"]) | set(tokenizer.get_added_vocab())
+    vocab = tj["model"]["vocab"]
+    for t in tj.get("added_tokens", []):  # keep the model vocabulary contiguous so that no added id moves
+        vocab.setdefault(t["content"], t["id"])
+    if sorted(vocab.values()) != list(range(len(vocab))) or len(vocab) != len(tokenizer):
+        raise ValueError("continued_bpe: the tokenizer's ids are not contiguous; cannot append merges")
+    known = set(vocab)
     new_tokens, next_id = [], len(tokenizer)
     for m in merges:
         left, right = m if isinstance(m, list) else m.split(" ")
