@@ -278,8 +278,8 @@ def select_reachable(structural: Sequence[Candidate], content: Sequence[Candidat
     Warns when a stream has fewer reachable candidates than its budget (all of them are used)."""
     if structural_budget + content_budget == 0:
         return []
-    pools = {"structural": list(structural), "content": [c for c in content
-                                                          if c.text not in {s.text for s in structural}]}
+    taken = {c.text for c in structural}
+    pools = {"structural": list(structural), "content": [c for c in content if c.text not in taken]}
     budgets = {"structural": structural_budget, "content": content_budget}
     alive = [c for k in ("structural", "content") if budgets[k] > 0 for c in pools[k]]
     if not alive:
