@@ -59,7 +59,7 @@ def test_generator_is_seeded_and_documented() -> None:
     assert a == b and a != agent_traces(20, 4)
     for t in a:
         call = t["messages"][1]["tool_calls"][0]
-        assert call["name"] in {x["name"] for x in t["tools"]} and len(t["tools"]) == 3
+        assert call["name"] in {x["name"] for x in t["tools"]} and len(t["tools"]) == 2
         request = t["messages"][0]["content"]
         for v in call["arguments"].values():  # argument values are copied into the request
             if isinstance(v, (str, int)) and not isinstance(v, bool):

@@ -2,12 +2,12 @@
 tool calls without hurting their accuracy.
 
 Data (:mod:`rankwise.zoo.agent_traces`, seeded; the generator is documented there): 30 tools with JSON
-schemas, single-call trajectories rendered by the hermes-like template (three tools listed in the system
+schemas, single-call trajectories rendered by the hermes-like template (two tools listed in the system
 prompt, the request, the call, the tool response, a short answer). Train: the first ``n_train``
 trajectories of seed 0; test: ``n_test`` trajectories of generator seed 1.
 
 * Stage 1 (cached, :mod:`rankwise.repro.kit.agentvocab_models`): ``zoo.tiny_lm("small")`` (Llama, 4 layers,
-  hidden 128, byte-level BPE of 2,048) with the template markers as single tokens, fully fine-tuned 600
+  hidden 128, byte-level BPE of 2,048) with the template markers as single tokens, fully fine-tuned 300
   steps of 8 trajectories on 5,000 train trajectories with its own tokenizer.
 * Stage 2, the same budget per arm (``steps`` batches of ``batch_size``, same seed and data order):
   **vanilla** continues with T0; **AgentVocab** mines the train trajectories (structural n-grams; TL-BPE
@@ -104,7 +104,7 @@ SETTINGS: dict[str, AgentVocabSettings] = {
                                 grad_samples=4, max_new_tokens=8, n_latency=2, latency_repeats=1,
                                 latency_claim=False, seeds=(0,)),
     # quick: the spec's quick mode (1000 trajectories, 300 steps, K = 64, 200 requests, seed 0); latency reported
-    "quick": AgentVocabSettings(n_train=1000, n_test=200, steps=300, structural_budget=48, content_budget=16,
+    "quick": AgentVocabSettings(n_train=1000, n_test=200, steps=300, batch_size=4, structural_budget=48, content_budget=16,
                                 structural_only_budget=64, grad_samples=64, n_latency=20, latency_claim=False,
                                 seeds=(0,)),
     "full": AgentVocabSettings(seeds=(0, 1, 2)),

@@ -9,7 +9,8 @@ Written down before any run (the spec asks for it):
 * **Requests**: each tool has three request templates; a trajectory picks one uniformly and fills it with
   the sampled arguments written verbatim (numbers as JSON writes them; booleans by a phrase of the
   template, ``yes``/``no`` forms), so the call is recoverable from the request alone.
-* **Episode**: ``tools`` = the called tool plus two distinct distractors, in random order; messages = user
+* **Episode**: ``tools`` = the called tool plus one distinct distractor, in random order (one, not more, so
+  that a rendered trajectory stays near 330 tokens of the tiny LM's tokenizer and CPU training fits); messages = user
   request, assistant call ``{"name", "arguments"}``, tool response (a JSON object: ``status`` ``"ok"``, a
   reference ``REF-<5 digits>`` and the echoed first argument), a templated assistant answer.
 * **Format**: one dict per trajectory, JSON-able (what ``rankwise vocab --traces`` reads)::
@@ -33,7 +34,10 @@ import json
 import random
 from typing import Any
 
-__all__ = ["POOLS", "TOOLS", "agent_traces", "split", "tool_schema"]
+__all__ = ["N_DISTRACTORS", "POOLS", "TOOLS", "agent_traces", "split", "tool_schema"]
+
+#: tools listed besides the called one
+N_DISTRACTORS = 1
 
 POOLS: dict[str, list[str]] = {
     "city": ["Lisbon", "Porto", "Madrid", "Berlin", "Vienna", "Prague", "Oslo", "Dublin", "Zurich", "Milan",
@@ -162,7 +166,7 @@ def _episode(rng: random.Random) -> dict[str, Any]:
     for arg, kind, spec in args:
         values[arg], texts[arg] = _value(rng, kind, spec)
     request = rng.choice(templates).format(**texts)
-    others = rng.sample([i for i in range(len(_TOOL_TABLE)) if i != idx], 2)
+    others = rng.sample([i for i in range(len(_TOOL_TABLE)) if i != idx], N_DISTRACTORS)
     order = [idx, *others]
     rng.shuffle(order)
     first = args[0][0]

@@ -11,8 +11,8 @@ Recipe (:data:`RECIPES`, deterministic):
    ``batch_size`` trajectories, loss on the assistant turns only, learning rate ``lr``, seed 0.
 
 Files: ``cache_dir()/agentvocab/<recipe>-<hash>/`` (``save_pretrained`` model and tokenizer plus
-``agentvocab_stage1.json``), written atomically; the hash covers the recipe, the tiny LM's folder name and
-the torch/transformers major.minor versions. Reproductions only load it (``rankwise zoo build`` builds it).
+``agentvocab_stage1.json``), written atomically; the hash covers the recipe, the tiny LM's folder name, a
+fingerprint of the trace generator (its first 8 trajectories) and the torch/transformers major.minor versions. Reproductions only load it (``rankwise zoo build`` builds it).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ class Stage1Recipe:
 
 RECIPES: dict[str, Stage1Recipe] = {
     "smoke": Stage1Recipe(lm="smoke", n_train=200, steps=10, batch_size=2, max_length=512),
-    "small": Stage1Recipe(lm="small", n_train=5000, steps=600),
+    "small": Stage1Recipe(lm="small", n_train=5000, steps=300),
 }
 
 
@@ -57,7 +57,10 @@ def stage1_path(name: str = "small") -> Path:
         raise ValueError(f"unknown AgentVocab stage-1 recipe {name!r}; choose from {list(RECIPES)}")
     r = RECIPES[name]
     mm = lambda v: ".".join(v.split("+")[0].split(".")[:2])  # noqa: E731
-    key = {"recipe": asdict(r), "lm": tiny_lm_path(r.lm).name, "torch": mm(torch.__version__),
+    from rankwise.zoo.agent_traces import agent_traces
+
+    sample = hashlib.sha256(json.dumps(agent_traces(8, 0), sort_keys=True).encode()).hexdigest()[:12]
+    key = {"recipe": asdict(r), "lm": tiny_lm_path(r.lm).name, "traces": sample, "torch": mm(torch.__version__),
            "transformers": mm(transformers.__version__)}
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
     return cache_dir() / "agentvocab" / f"{name}-{digest}"
