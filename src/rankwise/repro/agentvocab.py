@@ -105,7 +105,7 @@ SETTINGS: dict[str, AgentVocabSettings] = {
                                 latency_claim=False, seeds=(0,)),
     # quick: the spec's quick mode (1000 trajectories, 300 steps, K = 64, 200 requests, seed 0); latency reported
     "quick": AgentVocabSettings(n_train=1000, n_test=200, steps=300, batch_size=4, structural_budget=48, content_budget=16,
-                                structural_only_budget=64, grad_samples=64, n_latency=20, latency_claim=False,
+                                structural_only_budget=64, grad_samples=64, n_latency=10, latency_claim=False,
                                 seeds=(0,)),
     "full": AgentVocabSettings(seeds=(0, 1, 2)),
 }
