@@ -78,9 +78,9 @@ def test_bad_inputs_are_one_line_errors_without_output(tmp_path: Path, traces: P
     no_calls.write_text(json.dumps({"tools": [], "messages": [{"role": "user", "content": "hi"}]}) + "\n")
     common = ["--model", "zoo:smoke", "--min-freq", "5", "--grad-samples", "0"]
     cases = [
-        (["--traces", str(tmp_path / "missing.jsonl"), "--structural", "4", "--content", "0"], "no such file"),
-        (["--traces", str(bad_utf8), "--structural", "4", "--content", "0"], "line 2 is not valid UTF-8"),
-        (["--traces", str(not_json), "--structural", "4", "--content", "0"], "line 1 is not JSON"),
+        (["--traces", str(tmp_path / "missing.jsonl"), "--structural", "4", "--content", "0"], "no such data file"),
+        (["--traces", str(bad_utf8), "--structural", "4", "--content", "0"], ":2: not UTF-8"),
+        (["--traces", str(not_json), "--structural", "4", "--content", "0"], ":1: not valid JSON"),
         (["--traces", str(empty), "--structural", "4", "--content", "0"], "empty"),
         (["--traces", str(no_calls), "--structural", "4", "--content", "0"], "1 of 1 records rejected"),
         (["--traces", str(traces), "--structural", "-1", "--content", "0"], "structural_budget must be an int >= 0"),

@@ -31,20 +31,9 @@ DEFAULT_MODEL = "zoo:small"
 
 def read_traces(path: Path) -> list[Any]:
     """The JSON value of every non-blank line of ``path``; raises naming the first bad line."""
-    if not path.is_file():
-        raise FileNotFoundError(f"--traces {path}: no such file")
-    out = []
-    for n, raw in enumerate(path.read_bytes().split(b"\n"), 1):
-        if not raw.strip():
-            continue
-        try:
-            line = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise ValueError(f"{path}: line {n} is not valid UTF-8 (byte {e.start})") from None
-        try:
-            out.append(json.loads(line))
-        except ValueError as e:
-            raise ValueError(f"{path}: line {n} is not JSON ({e})") from None
+    from rankwise.core.textfiles import iter_jsonl
+
+    out = [value for _, value in iter_jsonl(path)]
     if not out:
         raise ValueError(f"{path}: no trajectories (the file is empty)")
     return out
