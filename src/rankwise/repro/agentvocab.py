@@ -282,7 +282,7 @@ class AgentVocabReproduction(Reproduction[AgentVocabSettings, dict]):
     def notes(self, s: AgentVocabSettings, records: Records[dict]) -> str:
         r = records.first
         rep = r["reports"]
-        lat = self.extra(s, records)["median_latency_ms"]
+        lat = {k: ", ".join(f"{x:.0f}" for x in v) for k, v in self.extra(s, records)["median_latency_ms"].items()}
         return (f"Vocabulary: {r['n_structural']} structural + {r['n_content']} content tokens from "
                 f"{r['n_candidates']['structural']} structural / {r['n_candidates']['content']} content candidates "
                 f"(stage-1 model: final loss {r['stage1']['final_loss']:.3f}). On the test trajectories the mixed "
