@@ -34,7 +34,7 @@ from rankwise.compress.condiquant.condition import (
     rel_output_err,
     singular_values,
 )
-from rankwise.compress.condiquant.config import LAMBDA_GRID, PROXES, CondiQuantConfig
+from rankwise.compress.condiquant.config import LAMBDA_GRID, PROXES, SPEC_LAMBDA_GRID, CondiQuantConfig
 from rankwise.compress.condiquant.model import (
     CondiQuantReport,
     collect_xtx,
@@ -60,7 +60,7 @@ from rankwise.compress.condiquant.ptq import (
 from rankwise.core.registry import register
 
 __all__ = [
-    "CondiQuantConfig", "LAMBDA_GRID", "PROXES", "condition_model", "CondiQuantReport", "ptq_quantize",
+    "CondiQuantConfig", "LAMBDA_GRID", "SPEC_LAMBDA_GRID", "PROXES", "condition_model", "CondiQuantReport", "ptq_quantize",
     "QuantizedModel", "QuantLayer", "load_quantized", "OBSERVERS", "LayerResult", "MatrixResult",
     "condition_matrix", "condition_weight", "kappa", "singular_values", "prox_spread", "prox_shave",
     "output_loss", "output_grad", "rel_output_err", "collect_xtx", "layer_matrix", "layer_rows",

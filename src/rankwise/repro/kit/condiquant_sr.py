@@ -13,7 +13,7 @@ Model (:class:`SRNet`, a small SwinIR-like CNN with channel-MLP blocks): head co
 residual; tail conv3x3(C -> 4) + PixelShuffle(2) + bicubic skip of the LR input. L1 loss, Adam, batch 32.
 
 Recipes (:data:`RECIPES`): ``full`` (HR 32, 3 blocks, C = 48, 1500 steps; seeds 0, 1, 2), ``quick`` (HR 16,
-2 blocks, 300 steps; seed 0) and ``smoke`` (HR 16, 1 block, C = 16, 30 steps on 400 images; trained in memory
+2 blocks, 300 steps; seed 0) and ``smoke`` (HR 16, 1 block, C = 16, 30 steps on 200 images; trained in memory
 by the tests, never cached). Files: ``cache_dir()/condiquant/<recipe>-s<seed>-<hash>.safetensors`` and
 ``data-<hash>.safetensors``. Cold build (``build()``): about 70 s per full model on 2 idle cores, 10 s for
 quick (several times that on a loaded machine).
@@ -57,7 +57,7 @@ class SRRecipe:
 RECIPES: dict[str, SRRecipe] = {
     "full": SRRecipe(),
     "quick": SRRecipe(hr=16, blocks=2, steps=300, seeds=(0,)),
-    "smoke": SRRecipe(hr=16, n_images=400, channels=16, blocks=1, steps=30, seeds=()),
+    "smoke": SRRecipe(hr=16, n_images=200, channels=16, blocks=1, steps=30, seeds=()),
 }
 
 
