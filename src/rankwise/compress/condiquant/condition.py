@@ -34,6 +34,8 @@ __all__ = ["LayerResult", "MatrixResult", "condition_matrix", "condition_weight"
 
 # a singular value below this fraction of sigma_max counts as zero (kappa = inf)
 ZERO_SV = 1e-12
+# a matrix with kappa <= 1 + this is already orthogonal up to float32 rounding: left alone
+KAPPA_ONE = 1e-5
 
 
 def singular_values(W: Tensor) -> Tensor:
@@ -168,7 +170,7 @@ def condition_weight(name: str, W0: Tensor, H: Tensor, cfg: CondiQuantConfig) ->
     k0 = kappa(W0)
     res = LayerResult(name, (int(W0.shape[0]), int(W0.shape[1])), k0, k0, 0.0, 0.0, 0, "unchanged",
                       W=W0.detach().to(torch.float64).clone())
-    if k0 == 1.0 or float(singular_values(W0)[0]) == 0.0:
+    if k0 <= 1.0 + KAPPA_ONE or float(singular_values(W0)[0]) == 0.0:
         return res
     for lam in cfg.lambdas():
         r = condition_matrix(W0, H, lam, prox=cfg.prox, max_iters=cfg.max_iters,
