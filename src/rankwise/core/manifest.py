@@ -12,6 +12,7 @@ REGISTERED: dict[str, str] = {
     'agentvocab': 'rankwise.infer.agentvocab',
     'arpc': 'rankwise.science.arpc.codec',
     'cdka': 'rankwise.adapt.cdka.model',
+    'condiquant': 'rankwise.compress.condiquant',
     'ctm': 'rankwise.merge.ctm',
     'daf': 'rankwise.adapt.daf.model',
     'diffbcp': 'rankwise.science.diffbcp.method',
