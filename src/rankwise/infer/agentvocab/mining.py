@@ -297,5 +297,5 @@ def select_reachable(structural: Sequence[Candidate], content: Sequence[Candidat
         n = sum(c.stream == k for c in alive)
         if n < budgets[k]:
             warnings.warn(f"{k} budget {budgets[k]} is larger than the {n} reachable {k} candidates; using all "
-                          f"{n}", stacklevel=2)
+                          f"{n}", stacklevel=3)
     return alive
