@@ -23,3 +23,36 @@ def test_bad_settings_are_refused() -> None:
         av.AgentVocabSettings(steps=0)
     with pytest.raises(ValueError, match="stage1"):
         av.AgentVocabSettings(stage1="large")
+
+
+def test_each_mode_reads_the_arms_zoo_build_caches() -> None:
+    """The trained arms of every mode are the recipes ``rankwise zoo build`` builds (warm runs never train)."""
+    from rankwise.repro.kit import agentvocab_models as kit
+
+    repro = av.AgentVocabReproduction
+    for mode in ("smoke", "quick", "full"):
+        assert repro._recipe(av.SETTINGS[mode]) == kit.ARM_RECIPES[mode], mode
+    built = {(name, seed) for sets in kit.BUILD_SETS.values() for name, seeds in sets for seed in seeds}
+    for mode in ("smoke", "quick", "full"):
+        assert {(mode, seed) for seed in av.SETTINGS[mode].seeds} <= built, mode
+    assert kit.RECIPES["small"].lm == "gqa"  # trained at context 1024: the ~470-token traces fit its positions
+
+
+def test_smoke_runs_from_cached_arms_without_training(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("RANKWISE_CACHE_DIR", str(tmp_path / "cache"))
+    from rankwise.infer.agentvocab import train
+    from rankwise.repro.kit import agentvocab_models as kit
+    from rankwise.repro.kit import artefacts
+
+    built = artefacts.build_all(only=("agentvocab",), size="smoke")["agentvocab"]
+    assert built["arms-smoke-s0"]["built_now"]
+    assert not artefacts.build_all(only=("agentvocab",), size="smoke")["agentvocab"]["arms-smoke-s0"]["built_now"]
+
+    def no_training(*a, **k):
+        raise AssertionError("the reproduction trained although its arms are cached")
+
+    monkeypatch.setattr(train, "sft_train", no_training)
+    monkeypatch.setattr(kit, "_build_arms", no_training)
+    res = av.run("smoke", None, tmp_path / "out")
+    wiring = [c for c in res.checks if c.kind == "wiring"]
+    assert wiring and all(c.holds for c in wiring), [(c.statement, c.measured) for c in wiring]

@@ -6,14 +6,16 @@ schemas, single-call trajectories rendered by the hermes-like template (two tool
 prompt, the request, the call, the tool response, a short answer). Train: the first ``n_train``
 trajectories of seed 0; test: ``n_test`` trajectories of generator seed 1.
 
-* Stage 1 (cached, :mod:`rankwise.repro.kit.agentvocab_models`): ``zoo.tiny_lm("small")`` (Llama, 4 layers,
-  hidden 128, byte-level BPE of 2,048) with the template markers as single tokens, fully fine-tuned 300
-  steps of 8 trajectories on 5,000 train trajectories with its own tokenizer.
-* Stage 2, the same budget per arm (``steps`` batches of ``batch_size``, same seed and data order):
-  **vanilla** continues with T0; **AgentVocab** mines the train trajectories (structural n-grams; TL-BPE
-  content candidates ranked by the stage-1 model's embedding gradients on ``grad_samples`` sequences),
-  keeps the reachable top ``structural_budget`` + ``content_budget``, adds them with mean-initialised rows
-  and continues with the expanded tokenizer.
+* Stage 1 (cached, :mod:`rankwise.repro.kit.agentvocab_models`): ``zoo.tiny_lm("gqa")`` (Llama, 2 layers,
+  hidden 256, 8 query / 2 KV heads, trained at context 1024, byte-level BPE of 2,048) with the template markers
+  as single tokens, fully fine-tuned 300 steps of 8 trajectories on 5,000 train trajectories with its own
+  tokenizer.
+* Stage 2, the same budget per arm (``steps`` batches of ``batch_size``, same seed and data order), also
+  cached per seed (``agentvocab_models.trained_arms``; ``rankwise zoo build`` builds the quick and full
+  recipes, so a warm run only evaluates): **vanilla** continues with T0; **AgentVocab** mines the train
+  trajectories (structural n-grams; TL-BPE content candidates ranked by the stage-1 model's embedding
+  gradients on ``grad_samples`` sequences), keeps the reachable top ``structural_budget`` +
+  ``content_budget``, adds them with mean-initialised rows and continues with the expanded tokenizer.
 * Tokenizer-only contrasts (no training): **structural-only** (``structural_only_budget`` structural
   tokens) and **continued BPE** (the same number of merges appended to T0's), measured on the gold calls.
 * Evaluation on the test requests: greedy decoding with the KV cache until ``</tool_call>`` (batched for
@@ -35,13 +37,10 @@ corpus never gets more tokens. Precondition: vanilla learned tool calling (exact
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import statistics
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from rankwise.infer.agentvocab import (
     AgentVocab,
@@ -53,8 +52,6 @@ from rankwise.infer.agentvocab import (
     generate_calls,
     parse_call,
     render_corpus,
-    sft_train,
-    subtoken_ids,
     timed_call,
     token_counts,
 )
@@ -122,25 +119,30 @@ class AgentVocabReproduction(Reproduction[AgentVocabSettings, dict]):
     settings = SETTINGS
     threads = 1
 
-    def _vocab(self, s: AgentVocabSettings) -> dict[str, Any]:
-        """Seed-independent: stage 1, data, mining, the tokenizers and their wiring checks (once per run)."""
+    @staticmethod
+    def _recipe(s: AgentVocabSettings) -> Any:
+        from rankwise.repro.kit.agentvocab_models import ArmsRecipe
+
+        return ArmsRecipe(stage1=s.stage1, n_train=s.n_train, steps=s.steps, batch_size=s.batch_size, lr=s.lr,
+                          max_length=s.max_length, structural_budget=s.structural_budget,
+                          content_budget=s.content_budget, structural_only_budget=s.structural_only_budget,
+                          min_freq=s.min_freq, grad_samples=s.grad_samples)
+
+    def _vocab(self, s: AgentVocabSettings, arms: dict[str, Any]) -> dict[str, Any]:
+        """Seed-independent: data, the tokenizers and their wiring checks (once per run). The mined tokens come
+        from the cached arms (mining is seed-independent; the arms were trained on them)."""
         if getattr(self, "_v", None) is not None:
             return self._v
-        from rankwise.repro.kit.agentvocab_models import stage1
         from rankwise.zoo.agent_traces import agent_traces
 
-        model, tok0, info = stage1(s.stage1)
+        info = arms["info"]
+        tok0, tok_av = arms["vanilla"][1], arms["agentvocab"][1]
         train, _ = render_corpus(agent_traces(s.n_train, 0))
         test, _ = render_corpus(agent_traces(s.n_test, 1))
-        cfg = AgentVocabConfig(structural_budget=s.structural_budget, content_budget=s.content_budget,
-                               min_freq=s.min_freq, grad_samples=s.grad_samples)
-        av = AgentVocab(tok0, cfg)
-        cands = av.mine(train, grad_model=model if s.grad_samples else None)
+        av = AgentVocab(tok0, AgentVocabConfig(min_freq=s.min_freq))
+        mixed = [c["text"] for c in info["mixed"]]
+        tok_st, _ = av.expand(None, [c["text"] for c in info["structural_only"]])
         texts = [r.text for r in train]
-        mixed = av.select_reachable(cands, train)
-        struct = av.select_reachable(cands, train, structural_budget=s.structural_only_budget, content_budget=0)
-        tok_av, _ = av.expand(None, mixed)
-        tok_st, _ = av.expand(None, struct)
         tok_cb, cb_tokens = continued_bpe(tok0, texts, len(mixed))
         # wiring: every selected token is emitted on the train corpus; the corpus never grows
         emitted = set(i for ids in tok_av(texts, add_special_tokens=False, verbose=False)["input_ids"] for i in ids)
@@ -149,14 +151,13 @@ class AgentVocabReproduction(Reproduction[AgentVocabSettings, dict]):
         all_texts = texts + [r.text for r in test]
         rt = sum(_roundtrip_failures(t, all_texts) for t in (tok0, tok_av, tok_st))
         self._v = {
-            "model": model, "tok0": tok0, "tok_av": tok_av, "train": train, "test": test, "mixed": mixed,
-            "stage1": info, "av": av,
+            "test": test, "stage1": info["stage1"],
             "reports": {k: compression_report(test, tok0, t).as_dict()
                         for k, t in (("agentvocab", tok_av), ("structural", tok_st), ("cbpe", tok_cb))},
-            "n_structural": sum(c.stream == "structural" for c in mixed), "n_content": sum(c.stream == "content" for c in mixed),
-            "n_candidates": {k: len(v) for k, v in cands.items()}, "n_cbpe": len(cb_tokens),
-            "unreached": unreached, "growth": growth, "roundtrip_failures": rt,
-            "examples": [c.text for c in mixed[:12]],
+            "n_structural": sum(c["stream"] == "structural" for c in info["mixed"]),
+            "n_content": sum(c["stream"] == "content" for c in info["mixed"]),
+            "n_candidates": info["n_candidates"], "n_cbpe": len(cb_tokens),
+            "unreached": unreached, "growth": growth, "roundtrip_failures": rt, "examples": mixed[:12],
         }
         return self._v
 
@@ -174,33 +175,21 @@ class AgentVocabReproduction(Reproduction[AgentVocabSettings, dict]):
                 "gold": token_counts(tok, [call_text(r.call) for r in test]), "latency": lat}
 
     def measure(self, s: AgentVocabSettings, seed: int) -> dict[str, Any]:
-        v = self._vocab(s)
+        from rankwise.repro.kit.agentvocab_models import trained_arms
+
+        arms = trained_arms(self._recipe(s), seed)  # cached by ``rankwise zoo build``: no training here when warm
+        v = self._vocab(s, arms)
         rec: dict[str, Any] = {"arms": {}}
         for arm in ARMS:
-            model = copy.deepcopy(v["model"])
-            tok = v["tok0"]
-            if arm == "agentvocab":
-                tok, _ = v["av"].expand(model, v["mixed"])
-                if "mean_init_error" not in v:  # wiring: rows equal their subtoken means before training
-                    subs = subtoken_ids(v["tok0"], [c.text for c in v["mixed"]])
-                    w, h = model.get_input_embeddings().weight, model.get_output_embeddings().weight
-                    w0, h0 = v["model"].get_input_embeddings().weight, v["model"].get_output_embeddings().weight
-                    err = 0.0
-                    for j, ids in enumerate(subs):
-                        i = len(v["tok0"]) + j
-                        err = max(err, float((w[i] - w0[ids].mean(0)).detach().abs().max()),
-                                  float((h[i] - h0[ids].mean(0)).detach().abs().max()))
-                    v["mean_init_error"] = err
-            losses = sft_train(model, tok, v["train"], steps=s.steps, lr=s.lr, batch_size=s.batch_size,
-                               max_length=s.max_length, seed=seed)
+            model, tok = arms[arm]
             ev = self._evaluate(model, tok, s, v["test"])
-            ev["final_loss"] = statistics.fmean(losses[-20:])
+            ev["final_loss"] = arms["info"]["arms"][arm]["final_loss"]
             rec["arms"][arm] = ev
         for k in ("reports", "n_structural", "n_content", "n_candidates", "n_cbpe", "unreached", "growth",
                   "roundtrip_failures", "examples"):
             rec[k] = v[k]
-        rec["mean_init_error"] = v.get("mean_init_error", 0.0)
-        rec["stage1"] = {k: v["stage1"][k] for k in ("final_loss", "steps", "n_train")}
+        rec["mean_init_error"] = arms["info"].get("mean_init_error", 0.0)
+        rec["stage1"] = v["stage1"]
         return rec
 
     def table(self, s: AgentVocabSettings, records: Records[dict]) -> Table:

@@ -13,6 +13,17 @@ Recipe (:data:`RECIPES`, deterministic):
 Files: ``cache_dir()/agentvocab/<recipe>-<hash>/`` (``save_pretrained`` model and tokenizer plus
 ``agentvocab_stage1.json``), written atomically; the hash covers the recipe, the tiny LM's folder name, a
 fingerprint of the trace generator (its first 8 trajectories) and the torch/transformers major.minor versions. Reproductions only load it (``rankwise zoo build`` builds it).
+
+The trained arms (:data:`ARM_RECIPES`, one artefact per recipe and seed): from the stage-1 checkpoint,
+mining on the first ``n_train`` trajectories (structural n-grams; content candidates ranked by the stage-1
+model's embedding gradients on ``grad_samples`` sequences), the reachable top ``structural_budget`` +
+``content_budget`` (mixed) and top ``structural_only_budget`` structural tokens (the tokenizer-only
+contrast); then stage 2 with the same budget and seed for both arms: **vanilla** (T0) and **agentvocab**
+(mean-initialised rows for the mixed tokens). Files: ``cache_dir()/agentvocab/arms-<recipe>-s<seed>-<hash>/``
+with ``vanilla/`` and ``agentvocab/`` (``save_pretrained`` model and tokenizer) and ``agentvocab_arms.json``
+(the selected tokens, candidate counts, the mean-initialisation error before training, final losses, build
+times); the hash covers the recipe and the stage-1 folder name. ``rankwise zoo build`` builds the recipes of
+:data:`BUILD_SETS`; a reproduction asked for other settings builds them on first use.
 """
 
 from __future__ import annotations
@@ -24,9 +35,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RECIPES", "Stage1Recipe", "build", "stage1", "stage1_path"]
+__all__ = ["ARM_RECIPES", "ARMS", "ArmsRecipe", "BUILD_SETS", "RECIPES", "Stage1Recipe", "arms_path", "build", "stage1",
+           "stage1_path", "trained_arms"]
 
 _INFO = "agentvocab_stage1.json"
+_ARMS_INFO = "agentvocab_arms.json"
+ARMS = ("vanilla", "agentvocab")
 
 
 @dataclass(frozen=True)
@@ -43,7 +57,7 @@ class Stage1Recipe:
 
 RECIPES: dict[str, Stage1Recipe] = {
     "smoke": Stage1Recipe(lm="smoke", n_train=200, steps=10, batch_size=2, max_length=512),
-    "small": Stage1Recipe(lm="small", n_train=5000, steps=300),
+    "small": Stage1Recipe(lm="gqa", n_train=5000, steps=300),
 }
 
 
@@ -113,9 +127,149 @@ def stage1(name: str = "small", rebuild: bool = False) -> tuple[Any, Any, dict[s
     return model.eval(), tok, json.loads((path / _INFO).read_text())
 
 
+@dataclass(frozen=True)
+class ArmsRecipe:
+    """Stage 2 of both arms and the mined vocabularies (what the reproduction's settings fix)."""
+
+    stage1: str = "small"
+    n_train: int = 5000
+    steps: int = 600
+    batch_size: int = 8
+    lr: float = 1e-3
+    max_length: int = 1024
+    structural_budget: int = 96
+    content_budget: int = 32
+    structural_only_budget: int = 128
+    min_freq: int = 10
+    grad_samples: int = 200
+    threads: int = 1
+    version: int = 1
+
+
+ARM_RECIPES: dict[str, ArmsRecipe] = {
+    "smoke": ArmsRecipe(stage1="smoke", n_train=60, steps=2, batch_size=2, max_length=512, structural_budget=12,
+                        content_budget=4, structural_only_budget=16, min_freq=5, grad_samples=4),
+    # the reproduction's quick mode (seed 0) and full mode (seeds 0-2)
+    "quick": ArmsRecipe(n_train=1000, steps=300, batch_size=4, structural_budget=48, content_budget=16,
+                        structural_only_budget=64, grad_samples=64),
+    "full": ArmsRecipe(),
+}
+
+#: what ``rankwise zoo build --size S`` builds: the stage-1 recipe of that size, then these (arm recipe, seeds)
+BUILD_SETS: dict[str, tuple[tuple[str, tuple[int, ...]], ...]] = {
+    "smoke": (("smoke", (0,)),),
+    "small": (("quick", (0,)), ("full", (0, 1, 2))),
+}
+
+
+def arms_path(recipe: ArmsRecipe, seed: int) -> Path:
+    from rankwise.zoo import cache_dir
+
+    key = {"recipe": asdict(recipe), "stage1": stage1_path(recipe.stage1).name}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+    tag = next((n for n, r in ARM_RECIPES.items() if r == recipe), "custom")
+    return cache_dir() / "agentvocab" / f"arms-{tag}-s{seed}-{digest}"
+
+
+def _candidate_json(c: Any) -> dict[str, Any]:
+    return {"text": c.text, "stream": c.stream, "score": c.score, "freq": c.freq}
+
+
+def _mean_init_error(model: Any, base: Any, tok0: Any, texts: list[str]) -> float:
+    from rankwise.infer.agentvocab import subtoken_ids
+
+    w, h = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    w0, h0 = base.get_input_embeddings().weight, base.get_output_embeddings().weight
+    err = 0.0
+    for j, ids in enumerate(subtoken_ids(tok0, texts)):
+        i = len(tok0) + j
+        err = max(err, float((w[i] - w0[ids].mean(0)).detach().abs().max()),
+                  float((h[i] - h0[ids].mean(0)).detach().abs().max()))
+    return err
+
+
+def _build_arms(recipe: ArmsRecipe, seed: int, path: Path) -> dict[str, Any]:
+    import copy
+
+    import torch
+
+    from rankwise.core.io import atomic_dir
+    from rankwise.infer.agentvocab import AgentVocab, AgentVocabConfig, render_corpus, sft_train
+    from rankwise.zoo.agent_traces import agent_traces
+    from rankwise.zoo.models import quiet_transformers
+
+    r = recipe
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    base, tok0, s1 = stage1(r.stage1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(r.threads)
+    try:
+        train, _ = render_corpus(agent_traces(r.n_train, 0))
+        av = AgentVocab(tok0, AgentVocabConfig(structural_budget=r.structural_budget, content_budget=r.content_budget,
+                                               min_freq=r.min_freq, grad_samples=r.grad_samples))
+        cands = av.mine(train, grad_model=base if r.grad_samples else None)
+        mixed = av.select_reachable(cands, train)
+        struct = av.select_reachable(cands, train, structural_budget=r.structural_only_budget, content_budget=0)
+        mine_cpu = time.process_time() - cpu0
+        info: dict[str, Any] = {"recipe": asdict(r), "seed": seed, "mixed": [_candidate_json(c) for c in mixed],
+                                "structural_only": [_candidate_json(c) for c in struct],
+                                "n_candidates": {k: len(v) for k, v in cands.items()}, "arms": {},
+                                "stage1": {k: s1[k] for k in ("lm", "final_loss", "steps", "n_train")}}
+        with atomic_dir(path, overwrite=True) as tmp:
+            for arm in ARMS:
+                model, tok = copy.deepcopy(base), tok0
+                if arm == "agentvocab":
+                    tok, _ = av.expand(model, mixed)
+                    info["mean_init_error"] = _mean_init_error(model, base, tok0, [c.text for c in mixed])
+                c0 = time.process_time()
+                losses = sft_train(model, tok, train, steps=r.steps, lr=r.lr, batch_size=r.batch_size,
+                                   max_length=r.max_length, seed=seed)
+                info["arms"][arm] = {"final_loss": sum(losses[-20:]) / max(1, len(losses[-20:])),
+                                     "first_loss": losses[0] if losses else None,
+                                     "train_cpu_s": time.process_time() - c0}
+                with quiet_transformers():
+                    model.save_pretrained(str(tmp / arm))
+                    tok.save_pretrained(str(tmp / arm))
+            info.update(mine_cpu_s=mine_cpu, build_s=time.perf_counter() - t0,
+                        build_cpu_s=time.process_time() - cpu0)
+            (tmp / _ARMS_INFO).write_text(json.dumps(info, indent=2))
+    finally:
+        torch.set_num_threads(threads)
+    return info
+
+
+def trained_arms(recipe: ArmsRecipe, seed: int, rebuild: bool = False) -> dict[str, Any]:
+    """``{"vanilla": (model, tok), "agentvocab": (model, tok), "info": {...}}`` of the cached arms of
+    ``recipe`` and ``seed`` (built on first use; ``rankwise zoo build`` builds the modes' recipes)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rankwise.zoo.models import quiet_transformers
+
+    path = arms_path(recipe, seed)
+    if rebuild or not (path / _ARMS_INFO).is_file():
+        _build_arms(recipe, seed, path)
+    out: dict[str, Any] = {"info": json.loads((path / _ARMS_INFO).read_text())}
+    with quiet_transformers():
+        for arm in ARMS:
+            model = AutoModelForCausalLM.from_pretrained(str(path / arm), local_files_only=True)
+            tok = AutoTokenizer.from_pretrained(str(path / arm), local_files_only=True)
+            out[arm] = (model.eval(), tok)
+    return out
+
+
 def build(force: bool = False, size: str = "small") -> dict[str, Any]:
-    """Build (or check) the stage-1 checkpoint of ``size``; what ``rankwise zoo build`` calls."""
+    """Build (or check) the stage-1 checkpoint of ``size`` and the arm recipes of ``BUILD_SETS[size]``;
+    what ``rankwise zoo build`` calls. Returns ``{"stage1": info, "arms-<recipe>-s<seed>": {...}}``."""
     path = stage1_path(size)
     if force or not (path / _INFO).is_file():
-        return _build(size, path)
-    return json.loads((path / _INFO).read_text())
+        out: dict[str, Any] = {"stage1": _build(size, path)}
+    else:
+        out = {"stage1": json.loads((path / _INFO).read_text())}
+    for name, seeds in BUILD_SETS.get(size, ()):
+        for seed in seeds:
+            p = arms_path(ARM_RECIPES[name], seed)
+            built = force or not (p / _ARMS_INFO).is_file()
+            info = _build_arms(ARM_RECIPES[name], seed, p) if built else json.loads((p / _ARMS_INFO).read_text())
+            out[f"arms-{name}-s{seed}"] = {"built_now": built, "final_loss": {a: info["arms"][a]["final_loss"] for a in ARMS},
+                                           "build_cpu_s": info["build_cpu_s"]}
+    return out
