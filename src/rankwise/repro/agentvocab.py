@@ -188,7 +188,7 @@ class AgentVocabReproduction(Reproduction[AgentVocabSettings, dict]):
         for k in ("reports", "n_structural", "n_content", "n_candidates", "n_cbpe", "unreached", "growth",
                   "roundtrip_failures", "examples"):
             rec[k] = v[k]
-        rec["mean_init_error"] = arms["info"].get("mean_init_error", 0.0)
+        rec["mean_init_error"] = arms["info"]["mean_init_error"]
         rec["stage1"] = v["stage1"]
         return rec
 

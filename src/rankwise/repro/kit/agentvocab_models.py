@@ -14,20 +14,21 @@ Files: ``cache_dir()/agentvocab/<recipe>-<hash>/`` (``save_pretrained`` model an
 ``agentvocab_stage1.json``), written atomically; the hash covers the recipe, the tiny LM's folder name, a
 fingerprint of the trace generator (its first 8 trajectories) and the torch/transformers major.minor versions. Reproductions only load it (``rankwise zoo build`` builds it).
 
-The trained arms (:data:`ARM_RECIPES`, one artefact per recipe and seed): from the stage-1 checkpoint,
-mining on the first ``n_train`` trajectories (structural n-grams; content candidates ranked by the stage-1
-model's embedding gradients on ``grad_samples`` sequences), the reachable top ``structural_budget`` +
-``content_budget`` (mixed) and top ``structural_only_budget`` structural tokens (the tokenizer-only
-contrast); then stage 2 with the same budget and seed for both arms: **vanilla** (T0) and **agentvocab**
-(mean-initialised rows for the mixed tokens). Files: ``cache_dir()/agentvocab/arms-<recipe>-s<seed>-<hash>/``
-with ``vanilla/`` and ``agentvocab/`` (``save_pretrained`` model and tokenizer) and ``agentvocab_arms.json``
-(the selected tokens, candidate counts, the mean-initialisation error before training, final losses, build
-times); the hash covers the recipe and the stage-1 folder name. ``rankwise zoo build`` builds the recipes of
-:data:`BUILD_SETS`; a reproduction asked for other settings builds them on first use.
+The trained arms (:data:`ARM_RECIPES`): from the stage-1 checkpoint, the seed-independent vocabulary
+(:func:`mined_vocab`, mining on the first ``n_train`` trajectories: structural n-grams; content candidates
+ranked by the stage-1 model's embedding gradients on ``grad_samples`` sequences; the reachable top
+``structural_budget`` + ``content_budget`` (mixed) and top ``structural_only_budget`` structural tokens, the
+tokenizer-only contrast) in ``cache_dir()/agentvocab/vocab-<recipe>-<hash>.json``; then stage 2 with the same
+budget and seed for both arms, **vanilla** (T0) and **agentvocab** (mean-initialised rows for the mixed tokens),
+one artefact per seed and arm: ``cache_dir()/agentvocab/arm-<recipe>-s<seed>-<arm>-<hash>/``
+(``save_pretrained`` model and tokenizer plus ``agentvocab_arm.json``: losses and build times). The hash
+covers the recipe and the stage-1 folder name. ``rankwise zoo build`` builds the recipes of :data:`BUILD_SETS`;
+a reproduction asked for other settings builds them on first use.
 """
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import time
@@ -35,11 +36,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ARM_RECIPES", "ARMS", "ArmsRecipe", "BUILD_SETS", "RECIPES", "Stage1Recipe", "arms_path", "build", "stage1",
-           "stage1_path", "trained_arms"]
+__all__ = ["ARM_RECIPES", "ARMS", "ArmsRecipe", "BUILD_SETS", "RECIPES", "Stage1Recipe", "arm_path", "build",
+           "mined_vocab", "stage1", "stage1_path", "trained_arm", "trained_arms", "vocab_path"]
 
 _INFO = "agentvocab_stage1.json"
-_ARMS_INFO = "agentvocab_arms.json"
+_ARMS_INFO = "agentvocab_arm.json"
 ARMS = ("vanilla", "agentvocab")
 
 
@@ -162,13 +163,27 @@ BUILD_SETS: dict[str, tuple[tuple[str, tuple[int, ...]], ...]] = {
 }
 
 
-def arms_path(recipe: ArmsRecipe, seed: int) -> Path:
+def _digest(recipe: ArmsRecipe) -> str:
+    key = {"recipe": asdict(recipe), "stage1": stage1_path(recipe.stage1).name}
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def _tag(recipe: ArmsRecipe) -> str:
+    return next((n for n, r in ARM_RECIPES.items() if r == recipe), "custom")
+
+
+def vocab_path(recipe: ArmsRecipe) -> Path:
     from rankwise.zoo import cache_dir
 
-    key = {"recipe": asdict(recipe), "stage1": stage1_path(recipe.stage1).name}
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
-    tag = next((n for n, r in ARM_RECIPES.items() if r == recipe), "custom")
-    return cache_dir() / "agentvocab" / f"arms-{tag}-s{seed}-{digest}"
+    return cache_dir() / "agentvocab" / f"vocab-{_tag(recipe)}-{_digest(recipe)}.json"
+
+
+def arm_path(recipe: ArmsRecipe, seed: int, arm: str) -> Path:
+    from rankwise.zoo import cache_dir
+
+    if arm not in ARMS:
+        raise ValueError(f"arm must be one of {ARMS}, got {arm!r}")
+    return cache_dir() / "agentvocab" / f"arm-{_tag(recipe)}-s{seed}-{arm}-{_digest(recipe)}"
 
 
 def _candidate_json(c: Any) -> dict[str, Any]:
@@ -188,72 +203,105 @@ def _mean_init_error(model: Any, base: Any, tok0: Any, texts: list[str]) -> floa
     return err
 
 
-def _build_arms(recipe: ArmsRecipe, seed: int, path: Path) -> dict[str, Any]:
-    import copy
+def _train(recipe: ArmsRecipe) -> list[Any]:
+    from rankwise.infer.agentvocab import render_corpus
+    from rankwise.zoo.agent_traces import agent_traces
 
+    return render_corpus(agent_traces(recipe.n_train, 0))[0]
+
+
+def mined_vocab(recipe: ArmsRecipe, rebuild: bool = False) -> dict[str, Any]:
+    """The seed-independent vocabulary of ``recipe`` (cached JSON): the mixed tokens, the structural-only
+    contrast's tokens (``{"text", "stream", "score", "freq"}`` each) and the candidate counts."""
     import torch
 
-    from rankwise.core.io import atomic_dir
-    from rankwise.infer.agentvocab import AgentVocab, AgentVocabConfig, render_corpus, sft_train
-    from rankwise.zoo.agent_traces import agent_traces
-    from rankwise.zoo.models import quiet_transformers
+    from rankwise.core.io import read_json, write_json
+    from rankwise.infer.agentvocab import AgentVocab, AgentVocabConfig
 
+    path = vocab_path(recipe)
+    if path.is_file() and not rebuild:
+        return read_json(path)
     r = recipe
-    t0, cpu0 = time.perf_counter(), time.process_time()
+    cpu0 = time.process_time()
     base, tok0, s1 = stage1(r.stage1)
     threads = torch.get_num_threads()
     torch.set_num_threads(r.threads)
     try:
-        train, _ = render_corpus(agent_traces(r.n_train, 0))
+        train = _train(r)
         av = AgentVocab(tok0, AgentVocabConfig(structural_budget=r.structural_budget, content_budget=r.content_budget,
                                                min_freq=r.min_freq, grad_samples=r.grad_samples))
         cands = av.mine(train, grad_model=base if r.grad_samples else None)
         mixed = av.select_reachable(cands, train)
         struct = av.select_reachable(cands, train, structural_budget=r.structural_only_budget, content_budget=0)
-        mine_cpu = time.process_time() - cpu0
-        info: dict[str, Any] = {"recipe": asdict(r), "seed": seed, "mixed": [_candidate_json(c) for c in mixed],
-                                "structural_only": [_candidate_json(c) for c in struct],
-                                "n_candidates": {k: len(v) for k, v in cands.items()}, "arms": {},
-                                "stage1": {k: s1[k] for k in ("lm", "final_loss", "steps", "n_train")}}
-        with atomic_dir(path, overwrite=True) as tmp:
-            for arm in ARMS:
-                model, tok = copy.deepcopy(base), tok0
-                if arm == "agentvocab":
-                    tok, _ = av.expand(model, mixed)
-                    info["mean_init_error"] = _mean_init_error(model, base, tok0, [c.text for c in mixed])
-                c0 = time.process_time()
-                losses = sft_train(model, tok, train, steps=r.steps, lr=r.lr, batch_size=r.batch_size,
-                                   max_length=r.max_length, seed=seed)
-                info["arms"][arm] = {"final_loss": sum(losses[-20:]) / max(1, len(losses[-20:])),
-                                     "first_loss": losses[0] if losses else None,
-                                     "train_cpu_s": time.process_time() - c0}
-                with quiet_transformers():
-                    model.save_pretrained(str(tmp / arm))
-                    tok.save_pretrained(str(tmp / arm))
-            info.update(mine_cpu_s=mine_cpu, build_s=time.perf_counter() - t0,
-                        build_cpu_s=time.process_time() - cpu0)
-            (tmp / _ARMS_INFO).write_text(json.dumps(info, indent=2))
+        expanded = copy.deepcopy(base)
+        av.expand(expanded, mixed)  # wiring, measured before any training: new rows = subtoken means
+        info = {"recipe": asdict(r), "mixed": [_candidate_json(c) for c in mixed],
+                "structural_only": [_candidate_json(c) for c in struct],
+                "n_candidates": {k: len(v) for k, v in cands.items()},
+                "mean_init_error": _mean_init_error(expanded, base, tok0, [c.text for c in mixed]),
+                "stage1": {k: s1[k] for k in ("lm", "final_loss", "steps", "n_train")},
+                "build_cpu_s": time.process_time() - cpu0}
     finally:
         torch.set_num_threads(threads)
+    write_json(path, info)
     return info
 
 
-def trained_arms(recipe: ArmsRecipe, seed: int, rebuild: bool = False) -> dict[str, Any]:
-    """``{"vanilla": (model, tok), "agentvocab": (model, tok), "info": {...}}`` of the cached arms of
-    ``recipe`` and ``seed`` (built on first use; ``rankwise zoo build`` builds the modes' recipes)."""
+def _build_arm(recipe: ArmsRecipe, seed: int, arm: str, path: Path) -> dict[str, Any]:
+    import torch
+
+    from rankwise.core.io import atomic_dir
+    from rankwise.infer.agentvocab import AgentVocab, AgentVocabConfig, sft_train
+    from rankwise.zoo.models import quiet_transformers
+
+    r = recipe
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    model, tok, _ = stage1(r.stage1)
+    if arm == "agentvocab":
+        texts = [c["text"] for c in mined_vocab(r)["mixed"]]
+        tok, _ = AgentVocab(tok, AgentVocabConfig()).expand(model, texts)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(r.threads)
+    try:
+        losses = sft_train(model, tok, _train(r), steps=r.steps, lr=r.lr, batch_size=r.batch_size,
+                           max_length=r.max_length, seed=seed)
+    finally:
+        torch.set_num_threads(threads)
+    info = {"recipe": asdict(r), "seed": seed, "arm": arm, "first_loss": losses[0] if losses else None,
+            "final_loss": sum(losses[-20:]) / max(1, len(losses[-20:])), "build_s": time.perf_counter() - t0,
+            "build_cpu_s": time.process_time() - cpu0}
+    with atomic_dir(path, overwrite=True) as tmp:
+        with quiet_transformers():
+            model.save_pretrained(str(tmp))
+            tok.save_pretrained(str(tmp))
+        (tmp / _ARMS_INFO).write_text(json.dumps(info, indent=2))
+    return info
+
+
+def trained_arm(recipe: ArmsRecipe, seed: int, arm: str, rebuild: bool = False) -> tuple[Any, Any, dict[str, Any]]:
+    """``(model, tokenizer, info)`` of one cached stage-2 arm (built on first use)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rankwise.zoo.models import quiet_transformers
 
-    path = arms_path(recipe, seed)
+    path = arm_path(recipe, seed, arm)
     if rebuild or not (path / _ARMS_INFO).is_file():
-        _build_arms(recipe, seed, path)
-    out: dict[str, Any] = {"info": json.loads((path / _ARMS_INFO).read_text())}
+        _build_arm(recipe, seed, arm, path)
     with quiet_transformers():
-        for arm in ARMS:
-            model = AutoModelForCausalLM.from_pretrained(str(path / arm), local_files_only=True)
-            tok = AutoTokenizer.from_pretrained(str(path / arm), local_files_only=True)
-            out[arm] = (model.eval(), tok)
+        model = AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True)
+        tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    return model.eval(), tok, json.loads((path / _ARMS_INFO).read_text())
+
+
+def trained_arms(recipe: ArmsRecipe, seed: int) -> dict[str, Any]:
+    """``{"vanilla": (model, tok), "agentvocab": (model, tok), "info": {...}}`` for ``recipe`` and ``seed``:
+    ``info`` is the mined vocabulary (:func:`mined_vocab`) plus ``info["arms"][arm]`` (losses, build times)."""
+    info = dict(mined_vocab(recipe), arms={})
+    out: dict[str, Any] = {"info": info}
+    for arm in ARMS:
+        model, tok, arm_info = trained_arm(recipe, seed, arm)
+        out[arm] = (model, tok)
+        info["arms"][arm] = arm_info
     return out
 
 
@@ -266,10 +314,13 @@ def build(force: bool = False, size: str = "small") -> dict[str, Any]:
     else:
         out = {"stage1": json.loads((path / _INFO).read_text())}
     for name, seeds in BUILD_SETS.get(size, ()):
+        recipe = ARM_RECIPES[name]
+        mined_vocab(recipe, rebuild=force)
         for seed in seeds:
-            p = arms_path(ARM_RECIPES[name], seed)
-            built = force or not (p / _ARMS_INFO).is_file()
-            info = _build_arms(ARM_RECIPES[name], seed, p) if built else json.loads((p / _ARMS_INFO).read_text())
-            out[f"arms-{name}-s{seed}"] = {"built_now": built, "final_loss": {a: info["arms"][a]["final_loss"] for a in ARMS},
-                                           "build_cpu_s": info["build_cpu_s"]}
+            for arm in ARMS:
+                p = arm_path(recipe, seed, arm)
+                built = force or not (p / _ARMS_INFO).is_file()
+                info = _build_arm(recipe, seed, arm, p) if built else json.loads((p / _ARMS_INFO).read_text())
+                out[f"{name}-s{seed}-{arm}"] = {"built_now": built, "final_loss": info["final_loss"],
+                                                "build_cpu_s": info["build_cpu_s"]}
     return out
