@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+import time
 from pathlib import Path
 from typing import Any
 
@@ -164,7 +165,9 @@ class AgentVocabReproduction(Reproduction[AgentVocabSettings, dict]):
     def _evaluate(self, model: Any, tok: Any, s: AgentVocabSettings, test: list[Any]) -> dict[str, Any]:
         stop = tok.convert_tokens_to_ids("</tool_call>")
         prompts = [r.prompt for r in test]
+        c0 = time.process_time()
         dec = generate_calls(model, tok, prompts, stop_id=stop, max_new_tokens=s.max_new_tokens)
+        c1 = time.process_time()
         correct = [float(exact_match(parse_call(d.text), r.call)) for d, r in zip(dec, test)]
         lat = []
         timed_call(model, tok, prompts[0], stop_id=stop, max_new_tokens=s.max_new_tokens)  # warm-up
@@ -172,17 +175,24 @@ class AgentVocabReproduction(Reproduction[AgentVocabSettings, dict]):
             lat.append(statistics.median(timed_call(model, tok, p, stop_id=stop, max_new_tokens=s.max_new_tokens)[1]
                                          for _ in range(s.latency_repeats)))
         return {"correct": correct, "out": [len(d.ids) for d in dec], "prompt": token_counts(tok, prompts),
-                "gold": token_counts(tok, [call_text(r.call) for r in test]), "latency": lat}
+                "gold": token_counts(tok, [call_text(r.call) for r in test]), "latency": lat,
+                "cpu_s": {"generate": c1 - c0, "latency": time.process_time() - c1}}
 
     def measure(self, s: AgentVocabSettings, seed: int) -> dict[str, Any]:
         from rankwise.repro.kit.agentvocab_models import trained_arms
 
+        c0 = time.process_time()
         arms = trained_arms(self._recipe(s), seed)  # cached by ``rankwise zoo build``: no training here when warm
+        cpu = {"load": time.process_time() - c0}
+        c0 = time.process_time()
         v = self._vocab(s, arms)
-        rec: dict[str, Any] = {"arms": {}}
+        cpu["tokenizers"] = time.process_time() - c0
+        rec: dict[str, Any] = {"arms": {}, "cpu_s": cpu}
         for arm in ARMS:
             model, tok = arms[arm]
+            c0 = time.process_time()
             ev = self._evaluate(model, tok, s, v["test"])
+            cpu[arm] = time.process_time() - c0
             ev["final_loss"] = arms["info"]["arms"][arm]["final_loss"]
             rec["arms"][arm] = ev
         for k in ("reports", "n_structural", "n_content", "n_candidates", "n_cbpe", "unreached", "growth",
@@ -255,7 +265,9 @@ class AgentVocabReproduction(Reproduction[AgentVocabSettings, dict]):
         r = records.first
         lat = {arm: [1e3 * statistics.median(x["arms"][arm]["latency"]) for x in records] for arm in ARMS}
         return {"compression_reports": r["reports"], "candidates": r["n_candidates"], "selected_examples": r["examples"],
-                "median_latency_ms": lat, "stage1": r["stage1"]}
+                "median_latency_ms": lat, "stage1": r["stage1"],
+                "cpu_s_per_seed": [dict(x["cpu_s"], **{f"{a}_parts": x["arms"][a]["cpu_s"] for a in ARMS})
+                                   for x in records]}
 
     def figures(self, s: AgentVocabSettings, records: Records[dict], out_dir: Path) -> list[str]:
         plt = pyplot()
