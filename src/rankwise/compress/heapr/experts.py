@@ -14,6 +14,7 @@ outputs zeros.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -27,10 +28,17 @@ SUPPORTED = ("Qwen2MoE", "Qwen3MoE", "Mixtral", "OLMoE", "DeepSeek-V2/V3-style",
              "experts module with gate_up_proj (E, 2I, H), down_proj (E, H, I) and act_fn")
 
 
+def _bare_linear(in_f: int, out_f: int, dtype: torch.dtype | None, device: Any) -> nn.Linear:
+    """A bias-free ``nn.Linear`` with uninitialised weights (width 0 allowed, without torch's warning)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Initializing zero-element tensors")
+        return nn.utils.skip_init(nn.Linear, in_f, out_f, bias=False, device=device, dtype=dtype)
+
+
 def _linear(weight: torch.Tensor) -> nn.Linear:
     """A bias-free ``nn.Linear`` holding a copy of ``weight`` (``out x in``), without a random init."""
     out_f, in_f = weight.shape
-    lin = nn.utils.skip_init(nn.Linear, in_f, out_f, bias=False, device=weight.device, dtype=weight.dtype)
+    lin = _bare_linear(in_f, out_f, weight.dtype, weight.device)
     with torch.no_grad():
         lin.weight.copy_(weight)
     lin.weight.requires_grad_(weight.requires_grad)
@@ -83,7 +91,7 @@ class ExpertMLP(nn.Module):
               dtype: torch.dtype | None = None, device: Any = None) -> "ExpertMLP":
         """An expert of the given width with uninitialised weights (filled by ``load_state_dict``)."""
         def lin(i: int, o: int) -> nn.Linear:
-            return nn.utils.skip_init(nn.Linear, i, o, bias=False, device=device, dtype=dtype)
+            return _bare_linear(i, o, dtype, device)
         return cls(lin(hidden, width) if gated else None, lin(hidden, width), lin(width, hidden), act_fn)
 
 
