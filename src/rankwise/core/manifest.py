@@ -18,6 +18,7 @@ REGISTERED: dict[str, str] = {
     'e2lora': 'rankwise.adapt.e2lora.model',
     'fslora': 'rankwise.federated.fslora',
     'gfwsvd': 'rankwise.compress.gfwsvd',
+    'heapr': 'rankwise.compress.heapr',
     'intrinsic_dynamics': 'rankwise.science.intrinsic_dynamics',
     'lopti': 'rankwise.train.lopti',
     'lora': 'rankwise.adapt.lora.model',
