@@ -82,7 +82,7 @@ SETTINGS = {
     "smoke": HEAPrSettings(model="moe-smoke", n_calib=8, n_eval=8, seq_len=32, ratios=(0.25,), seeds=(0,),
                            rows=("heapr", "energy", "random", "drop")),
     # the claim's regime at p = 0.25 with fewer calibration and evaluation windows
-    "quick": HEAPrSettings(n_calib=16, n_eval=96, ratios=(0.25,), seeds=(0, 1),
+    "quick": HEAPrSettings(n_calib=16, n_eval=96, ratios=(0.25,), seeds=(0, 1, 2),
                            rows=("heapr", "energy", "random", "drop")),
     "full": HEAPrSettings(seeds=(0, 1, 2)),
 }
