@@ -14,7 +14,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
 from rankwise.compress.heapr.experts import ExpertMLP, moe_layers, unfuse_experts
