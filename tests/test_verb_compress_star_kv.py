@@ -75,7 +75,7 @@ def test_fused_c_attn_model_is_a_one_line_error(tmp_path: Path, user_dir: Path) 
 
 @pytest.mark.parametrize("args,needle", [(["--ratio", "0"], "--ratio"), (["--ratio", "1.5"], "--ratio"),
                                          (["--model", "zoo:nothing"], "no embedded tiny LM"),
-                                         (["--model", "/no/such/dir"], "no such directory")])
+                                         (["--model", "/no/such/dir"], "no such model directory")])
 def test_bad_input_is_one_line(tmp_path: Path, args: list[str], needle: str) -> None:
     res = invoke("compress", "--method", "star-kv", "--out", str(tmp_path / "o"), *(["--ratio", "0.5"] + args))
     assert res.exit_code != 0 and needle in res.output and "Traceback" not in res.output

@@ -43,25 +43,13 @@ def _load(model: str) -> tuple[Any, Any, str]:
                              f"{sorted('zoo:' + n for n in tinylm.RECIPES)}")
         m, tok = tinylm.tiny_lm(size)
         return m, tok, f"{model} (embedded)"
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from rankwise.compress.model_dir import load_model_dir
 
-    from rankwise.zoo.models import quiet_transformers
-
-    d = Path(model)
-    if not d.is_dir():
-        raise FileNotFoundError(f"--model {d}: no such directory (expected a save_pretrained layout or zoo:<size>)")
-    if not (d / "config.json").is_file():
-        raise ValueError(f"--model {d}: no config.json (expected a save_pretrained layout)")
-    try:
-        tok = AutoTokenizer.from_pretrained(str(d), local_files_only=True)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"--model {d}: cannot load its tokenizer ({' '.join(str(e).split())[:200]})") from None
-    try:
-        with quiet_transformers():
-            m = AutoModelForCausalLM.from_pretrained(str(d), local_files_only=True)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"--model {d}: cannot load a causal LM ({' '.join(str(e).split())[:200]})") from None
-    return m.eval(), tok, str(d)
+    m, tok = load_model_dir(model)  # missing, incomplete or unreadable directories: one-line errors
+    get_out = getattr(m, "get_output_embeddings", None)
+    if get_out is None or get_out() is None:
+        raise ValueError(f"--model {model}: not a causal LM (STAR-KV distils next-token distributions)")
+    return m, tok, str(model)
 
 
 def _batches(tok: Any, calib: Path | None, n_calib: int, seed: int) -> tuple[list[Any], str]:
