@@ -261,7 +261,7 @@ def star_kv_train(student: nn.Module, teacher: nn.Module, data: Sequence[Any], c
         opt.step()
         log.phase1_steps += 1
         acc = kv_accounting(student)
-        log.kd.append(float(kd))
+        log.kd.append(float(kd.detach()))
         log.removed_k.append(acc["param_removed_k"])
         log.removed_v.append(acc["param_removed_v"])
         for which, met, target, alphas in (("k", log.met_k, target_k, ka), ("v", log.met_v, target_v, va)):
@@ -282,7 +282,7 @@ def star_kv_train(student: nn.Module, teacher: nn.Module, data: Sequence[Any], c
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        log.kd.append(float(loss))
+        log.kd.append(float(loss.detach()))
         log.phase2_steps += 1
     for p in factors:
         p.requires_grad_(False)
@@ -333,7 +333,7 @@ def kd_finetune(student: nn.Module, teacher: nn.Module, data: Sequence[Any], ste
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     for p in params:
         p.requires_grad_(False)
     student.eval()
