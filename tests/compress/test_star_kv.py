@@ -98,7 +98,10 @@ def test_decomposition_reproduces_weights_without_threshold() -> None:
 
 
 def test_outputs_approach_original_as_sharpness_grows() -> None:
+    torch.manual_seed(0)
     lin = nn.Linear(32, 16).double()
+    with torch.no_grad():
+        lin.weight.mul_(0.1)  # singular values ~0.01-0.05, where tanh(s0 s) is far from 1 at small s0
     x = torch.randn(5, 32, dtype=F64)
     errs = [float((ThresholdedProj(lin, 2, sharpness=s0)(x) - lin(x)).detach().abs().max()) for s0 in (5.0, 50.0, 5000.0)]
     assert errs[0] > errs[1] > errs[2] and errs[2] < 1e-6
@@ -234,6 +237,16 @@ def test_min_head_rank_option() -> None:
         model.model.layers[1].self_attn.k_proj.alpha.fill_(10.0)
     star_kv_freeze(model, StarKVConfig(min_head_rank=2))
     assert model.model.layers[1].self_attn.k_proj.ranks == [2, 2]
+
+
+def test_rank_multiple_rounds_up() -> None:
+    model = _llama()
+    star_kv_wrap(model, StarKVConfig())
+    k = model.model.layers[1].self_attn.k_proj
+    with torch.no_grad():
+        k.alpha.copy_(torch.tensor([k.s[0, 2].item() - 1e-6, 10.0]))  # ranks 3 and 0
+    star_kv_freeze(model, StarKVConfig(rank_multiple=4))
+    assert model.model.layers[1].self_attn.k_proj.ranks == [4, 0]
 
 
 # -- baselines -------------------------------------------------------------------------------------

@@ -30,6 +30,8 @@ class StarKVConfig:
         skip_layers: layer indices left uncompressed (``None`` = the first and the last layer when the
             model has at least 3 layers, none otherwise; negative indices count from the end).
         min_head_rank: optional floor on every K head's and V layer's rank (off by default, as in the code).
+        rank_multiple: at the fold, round every non-zero rank up to a multiple of it (16 suits GPU kernels;
+            1 = no rounding, the default): more memory for kernel-friendly widths.
         fold: ``"shifted"`` multiplies the kept rows of ``V`` by ``(s_i - alpha)_+`` (the official code);
             ``"exact"`` by the training-time value ``s_i tanh(s0 (s_i - alpha))`` (the fold then changes
             nothing but the rounding).
@@ -50,6 +52,7 @@ class StarKVConfig:
     phase3_steps: int = 20
     skip_layers: tuple[int, ...] | None = None
     min_head_rank: int | None = None
+    rank_multiple: int = 1
     fold: Fold = "shifted"
 
     def __post_init__(self) -> None:
@@ -65,6 +68,7 @@ class StarKVConfig:
         check_int(n + "phase1_max_steps", self.phase1_max_steps, 0, allow_none=True)
         check_int(n + "phase3_steps", self.phase3_steps, 0)
         check_int(n + "min_head_rank", self.min_head_rank, 1, allow_none=True)
+        check_int(n + "rank_multiple", self.rank_multiple, 1)
         check_choice(n + "fold", self.fold, ("shifted", "exact"))
         if self.skip_layers is not None:
             if not isinstance(self.skip_layers, (tuple, list)):

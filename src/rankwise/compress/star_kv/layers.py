@@ -95,24 +95,30 @@ class ThresholdedProj(nn.Module):
         return torch.einsum("gdq,gq,gqn->gdn", self.U.detach().double(), sc, self.V.detach().double()).reshape(
             self.out_features, self.in_features)
 
-    def fold(self, mode: str = "shifted", min_rank: int | None = None, name: str = "") -> "LatentProj":
+    def fold(self, mode: str = "shifted", min_rank: int | None = None, name: str = "",
+             rank_multiple: int = 1) -> "LatentProj":
         """Fold the thresholded singular values into ``V`` and drop the dead ranks.
 
         ``mode="shifted"``: kept rows of ``V`` scaled by ``(s_i - alpha)_+`` (the official code);
         ``"exact"``: by ``f(s_i; alpha)``. ``min_rank`` keeps at least that many leading directions per
-        group (those below the threshold scaled by ``s_i``). A layer whose every group has rank 0 keeps
-        its single largest direction (with a warning): a latent of zero width cannot be cached.
+        group (those below the threshold scaled by ``s_i``); ``rank_multiple`` rounds every non-zero rank up
+        to a multiple of it (kernel-friendly widths, capped at the group's full rank), the same way. A layer
+        whose every group has rank 0 keeps its largest direction (with a warning): a zero-width latent
+        cannot be cached.
         """
         s, a = self.s.detach(), self.alpha.detach()
         above = s > a.unsqueeze(-1)
         keep = [torch.nonzero(above[g]).flatten() for g in range(self.groups)]
-        if min_rank is not None:  # top up with the largest directions below the threshold
-            for g in range(self.groups):
-                need = min(min_rank, s.shape[1]) - len(keep[g])
-                if need > 0:
-                    below = torch.nonzero(~above[g]).flatten()
-                    extra = below[s[g, below].argsort(descending=True)[:need]]
-                    keep[g] = torch.cat([keep[g], extra]).sort().values
+        q = s.shape[1]
+        for g in range(self.groups):  # top up with the largest directions below the threshold
+            want = max(len(keep[g]), min(min_rank or 0, q))
+            if want and rank_multiple > 1:
+                want = min(q, -(-want // rank_multiple) * rank_multiple)
+            need = want - len(keep[g])
+            if need > 0:
+                below = torch.nonzero(~above[g]).flatten()
+                extra = below[s[g, below].argsort(descending=True)[:need]]
+                keep[g] = torch.cat([keep[g], extra]).sort().values
         if sum(len(k) for k in keep) == 0:
             g = int(s.max(1).values.argmax())
             keep[g] = s[g].argmax().reshape(1)

@@ -301,8 +301,9 @@ def star_kv_freeze(model: nn.Module, cfg: StarKVConfig | None = None) -> list[di
     sites = [s for s in attention_sites(model) if isinstance(s.attn.k_proj, ThresholdedProj)]
     if not sites:
         raise ValueError("the model has no STAR-KV thresholded projections to freeze")
-    folded = [(s.attn.k_proj.fold(cfg.fold, cfg.min_head_rank, f"{s.name}.k_proj"),
-               s.attn.v_proj.fold(cfg.fold, cfg.min_head_rank, f"{s.name}.v_proj")) for s in sites]
+    folded = [(s.attn.k_proj.fold(cfg.fold, cfg.min_head_rank, f"{s.name}.k_proj", cfg.rank_multiple),
+               s.attn.v_proj.fold(cfg.fold, cfg.min_head_rank, f"{s.name}.v_proj", cfg.rank_multiple))
+              for s in sites]
     for s, (k, v) in zip(sites, folded):
         s.attn.k_proj, s.attn.v_proj = k, v
         zero = [h for h, r in enumerate(k.ranks) if r == 0]
