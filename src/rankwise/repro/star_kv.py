@@ -90,7 +90,8 @@ ROW_PRESS = {"knorm": "kvpress Knorm", "snapkv": "kvpress SnapKV",
 class StarKVSettings(Settings):
     """What the STAR-KV reproduction runs; ``SETTINGS[mode]`` holds each mode's values."""
 
-    model: str = setting("gqa", "zoo tiny LM (tiny_lm size)", choices=("gqa", "gqa-smoke"))
+    model: str = setting("gqa", "zoo tiny LM (tiny_lm size; \"small\" is the 4-head MHA Llama of the same corpus)",
+                         choices=("gqa", "small", "gqa-smoke"))
     target_compression: float = setting(0.6, "C: KV-cache fraction removed in the compressed layers", lo=0.0,
                                         hi=0.95)
     steps: int = setting(300, "KD steps of STAR-KV phases 1 + 2 (uniform / energy get steps + phase3_steps)", lo=1)
