@@ -134,6 +134,11 @@ def run(ctx: typer.Context, *, ratio: float, model: Path | None, calib: Path | N
     console.print(f"KV cache: {acc['cache_removed']:.3f} removed in the compressed layers (K {acc['cache_removed_k']:.3f},"
                   f" V {acc['cache_removed_v']:.3f}); {acc['cache_kept']:.3f} of the whole model's cache kept",
                   markup=False, soft_wrap=True)
+    target = 1.0 - ratio
+    if abs(acc["cache_removed"] - target) > 0.02:
+        console.print(f"note: phase 1 stops on the official code's parameter targets (C + 0.09 for K, C - 0.11 for "
+                      f"V, C = {target:.2f}), so the cache compression reached differs from 1 - ratio",
+                      markup=False, soft_wrap=True)
     console.print(f"distillation: {log['phase1_steps']} + {log['phase2_steps']} + {log['phase3_steps']} steps "
                   f"(phases 1-3) on {res['calib']}; KD loss {log['kd'][0]:.4f} -> {log['kd'][-1]:.4f}"
                   if log["kd"] else "distillation: no steps", markup=False, soft_wrap=True)
