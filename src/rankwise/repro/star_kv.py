@@ -58,7 +58,6 @@ from rankwise.compress.star_kv import (
     make_press,
     mixed_precision_quantize,
     press_continuation_nll,
-    relative_mse,
     star_kv_freeze,
     star_kv_train,
     star_kv_wrap,

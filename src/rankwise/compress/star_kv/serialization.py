@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
 
 from rankwise.compress.star_kv.layers import LatentProj
