@@ -11,6 +11,7 @@ from __future__ import annotations
 REGISTERED: dict[str, str] = {
     'arpc': 'rankwise.science.arpc.codec',
     'cdka': 'rankwise.adapt.cdka.model',
+    'condiquant': 'rankwise.compress.condiquant',
     'ctm': 'rankwise.merge.ctm',
     'daf': 'rankwise.adapt.daf.model',
     'diffbcp': 'rankwise.science.diffbcp.method',
