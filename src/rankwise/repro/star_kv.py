@@ -1,11 +1,12 @@
 """Reproduction of STAR-KV (arXiv 2606.08382): learned soft thresholds give a low-rank KV cache that loses
 less than one fixed rank at the same cache size, with ranks that differ across heads and more rank for V.
 
-Model: the zoo's grouped-query tiny Llama ``tiny_lm("gqa")`` (hidden 256, 4 layers, 8 query heads of dim 32
+Model: the zoo's grouped-query tiny Llama ``tiny_lm("gqa")`` (hidden 256, 2 layers, 8 query heads of dim 32
 over 2 KV heads, trained at context 1024 on the docstring corpus; cached, built by ``rankwise zoo build``).
-Compressed layers 1 and 2 (first and last skipped, as the official defaults skip the first two and the
-last). KD data: ``n_train`` windows of ``seq_len`` tokens of the corpus' train split (fixed); the seed sets
-the KD data order. Evaluation: ``n_eval`` consecutive held-out windows of the eval split, each a context of
+The library skips the first and the last layer only from 3 layers up (the official defaults skip the first
+two and the last of 32), so both layers of the 2-layer GQA model are compressed; on the 4-layer ``small``
+model (``--set model=small``) layers 1 and 2 are. KD data: ``n_train`` windows of ``seq_len`` tokens of the
+corpus' train split (fixed); the seed sets the KD data order. Evaluation: ``n_eval`` consecutive held-out windows of the eval split, each a context of
 ``context_len`` tokens and a continuation; every row is scored on the same continuation tokens (the
 protocol of :mod:`rankwise.compress.star_kv.presses`).
 
@@ -309,7 +310,7 @@ class StarKVReproduction(Reproduction[StarKVSettings, dict]):
             "ppl increase": "ppl - the uncompressed model's ppl",
             "cache kept": "cached K/V elements over the whole model / the uncompressed model's (presses: measured "
                           "on the context cache; ThinK counts non-zero key channels)",
-            "cache removed (compressed layers)": "1 - kept K/V cache elements / full, layers 1..L-2",
+            "cache removed (compressed layers)": "1 - kept K/V cache elements / full, over the compressed layers",
             "K head rank max/min": "over K heads of rank >= 1 (claim 2)",
             "V kept - K kept": "kept fraction of V minus that of K, compressed layers (claim 3)",
             "rel. MSE 4/3-bit+H": "latent quantisation error, 20% 4-bit + 80% 3-bit with Hadamard (claim 4)",
