@@ -9,6 +9,7 @@ equals what importing every method module registers.
 from __future__ import annotations
 
 REGISTERED: dict[str, str] = {
+    'agentvocab': 'rankwise.infer.agentvocab',
     'arpc': 'rankwise.science.arpc.codec',
     'cdka': 'rankwise.adapt.cdka.model',
     'condiquant': 'rankwise.compress.condiquant',

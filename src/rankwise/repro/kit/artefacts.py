@@ -20,6 +20,7 @@ BUILDERS: dict[str, str] = {
     "uldnet": "rankwise.repro.kit.uldnet_models:build",
     "sambal": "rankwise.repro.kit.sambal_models:build",
     "condiquant": "rankwise.repro.kit.condiquant_sr:build",
+    "agentvocab": "rankwise.repro.kit.agentvocab_models:build",
 }
 
 
