@@ -147,8 +147,8 @@ DATASETS: dict[str, dict[str, str]] = {
     "tiny-lm": {
         "kind": "model",
         "used_by": "tiny_lm()",
-        "source": "a LlamaForCausalLM and byte-level BPE tokenizer trained locally by rankwise on the train "
-                  "split of stdlib-docstrings (rankwise.zoo.tinylm.RECIPES), cached under cache_dir()",
+        "source": "LlamaForCausalLM (MHA at context 128; GQA at context 1024) and Qwen2MoeForCausalLM models "
+                  "with a byte-level BPE tokenizer, trained locally by rankwise on the train split of stdlib-docstrings (rankwise.zoo.tinylm.RECIPES), cached under cache_dir()",
         "distribution": "built locally on first use (`rankwise zoo build`)",
         "licence": "Apache-2.0 (rankwise); trained on PSF-2.0 text",
     },
