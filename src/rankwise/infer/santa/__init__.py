@@ -27,7 +27,7 @@ Example::
 from __future__ import annotations
 
 from rankwise.core.registry import register
-from rankwise.infer.santa.config import BUDGETS, SCHEMES, SantaConfig
+from rankwise.infer.santa.config import BUDGETS, MODEL_SCHEMES, SCHEMES, SantaConfig
 from rankwise.infer.santa.decode import SantaInfo, dense_decode, iid_mse, santa_core, santa_decode, topk_decode
 from rankwise.infer.santa.model import (
     ATTN_NAME,
@@ -50,6 +50,7 @@ from rankwise.infer.santa.sampling import (
 __all__ = [
     "ATTN_NAME",
     "BUDGETS",
+    "MODEL_SCHEMES",
     "SCHEMES",
     "SampleCounts",
     "SantaConfig",

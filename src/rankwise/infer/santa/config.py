@@ -10,6 +10,8 @@ from rankwise.core.validate import check_bool, check_choice, check_int, check_po
 SCHEMES: tuple[str, ...] = ("iid", "stratified", "systematic")
 #: per-tile sample budgets of the tiled variant (spec §4): S/T per tile, or proportional to the tile mass
 BUDGETS: tuple[str, ...] = ("fixed", "proportional")
+#: schemes a patched model accepts: the estimators and the biased top-k baseline (the S largest p_i, renormalised)
+MODEL_SCHEMES: tuple[str, ...] = SCHEMES + ("topk",)
 
 
 @dataclass(frozen=True)
@@ -19,7 +21,8 @@ class SantaConfig:
     * ``num_samples``: S, the value rows drawn per head and decode step (the paper: S = 2048 at 32k
       context, S = 64 in our tiny-model test). S > n is allowed; reads are clamped to n rows.
     * ``scheme``: ``"systematic"`` (S²ANTA, the paper's GPU variant; default), ``"stratified"`` or
-      ``"iid"`` (plain SANTA).
+      ``"iid"`` (plain SANTA); ``"topk"`` is the deterministic top-k baseline (k = num_samples), for
+      comparisons in a patched model.
     * ``tile_size``: None (one tile, the untiled estimator) or the rows per tile of the tiled variant
       (the official kernels use 256); ``budget``: ``"fixed"`` (ceil(S/T) per tile) or ``"proportional"``
       (largest-remainder rounding of S * P_t, at least 1 for every tile with mass).
@@ -41,7 +44,7 @@ class SantaConfig:
 
     def __post_init__(self) -> None:
         check_int("SantaConfig.num_samples", self.num_samples, 1)
-        check_choice("SantaConfig.scheme", self.scheme, SCHEMES)
+        check_choice("SantaConfig.scheme", self.scheme, MODEL_SCHEMES)
         check_int("SantaConfig.tile_size", self.tile_size, 1, allow_none=True)
         check_choice("SantaConfig.budget", self.budget, BUDGETS)
         check_bool("SantaConfig.decode_only", self.decode_only)

@@ -62,7 +62,10 @@ def santa_core(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, va
     if config.ternary_query:
         qs = ternary_query(q, config.tau, seed=seed, step=step, row_ids=row_ids.view(B, Q, H))
     feats = (qs != 0).sum(-1) if config.ternary_query else torch.full((B, Q, H), d, device=q.device)
-    p = torch.softmax(scores(qs, k_cache, scale, valid), dim=-1)  # fp32 [B, Q, H, n]
+    s = scores(qs, k_cache, scale, valid)  # fp32 [B, Q, H, n], -inf where masked
+    if config.scheme == "topk":
+        return _topk_core(s, v_cache, config.num_samples, valid, feats, q.dtype)
+    p = torch.softmax(s, dim=-1)
     sc = sample_counts(p.view(R, n), config.num_samples, config.scheme, config.tile_size, config.budget,
                        seed=seed, step=step, row_ids=row_ids)
     counts = sc.counts.view(B, Q, H, n)
@@ -82,6 +85,21 @@ def santa_core(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, va
         seed=seed,
     )
     return out.to(q.dtype), info
+
+
+def _topk_core(s: torch.Tensor, v_cache: torch.Tensor, k: int, valid: torch.Tensor | None, feats: torch.Tensor,
+               dtype: torch.dtype) -> tuple[torch.Tensor, SantaInfo]:
+    B, Q, H, n = s.shape
+    Hkv = v_cache.shape[2]
+    top, idx = s.topk(min(k, n), dim=-1)
+    w = torch.softmax(top, dim=-1)  # masked (-inf) entries get weight 0
+    out = (w.unsqueeze(-1) * gather_rows(v_cache, idx, H)).sum(-2)
+    used = torch.isfinite(top)
+    hit = torch.zeros(B, Q, H, n, dtype=torch.bool, device=s.device).scatter_(-1, idx, used)
+    info = SantaInfo(rows_read=used.sum(-1), kv_rows_read=hit.view(B, Q, Hkv, H // Hkv, n).any(3).sum(-1),
+                     rows_valid=(torch.full((B, Q), n, device=s.device) if valid is None else valid.sum(-1)),
+                     key_features_read=feats)
+    return out.to(dtype), info
 
 
 def _squeeze_info(info: SantaInfo) -> SantaInfo:
@@ -141,19 +159,9 @@ def topk_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k
     check_int("k", k, 1)
     B, H, Hkv, n, d = check_decode_inputs(q, k_cache, v_cache, mask, who="topk_decode")
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    s = scores(q.unsqueeze(1), k_cache, scale, _valid(mask, B, 1, n, q.device))  # [B, 1, H, n]
-    kk = min(k, n)
-    top, idx = s.topk(kk, dim=-1)
-    w = torch.softmax(top, dim=-1)  # -inf (masked) entries get weight 0
-    out = (w.unsqueeze(-1) * gather_rows(v_cache, idx, H)).sum(-2)[:, 0].to(q.dtype)
-    if not return_info:
-        return out
-    used = torch.isfinite(top)[:, 0]
-    hit = torch.zeros(B, H, n, dtype=torch.bool, device=q.device).scatter_(-1, idx[:, 0], used)
-    info = SantaInfo(rows_read=used.sum(-1), kv_rows_read=hit.view(B, Hkv, H // Hkv, n).any(2).sum(-1),
-                     rows_valid=(torch.full((B,), n, device=q.device) if mask is None else mask.sum(-1)),
-                     key_features_read=torch.full((B, H), d, device=q.device))
-    return out, info
+    out, info = santa_core(q.unsqueeze(1), k_cache, v_cache, _valid(mask, B, 1, n, q.device),
+                           SantaConfig(num_samples=k, scheme="topk"), 0, 0, scale)
+    return (out[:, 0], _squeeze_info(info)) if return_info else out[:, 0]
 
 
 def iid_mse(p: torch.Tensor, v: torch.Tensor, num_samples: int) -> torch.Tensor:
