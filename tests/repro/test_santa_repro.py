@@ -17,7 +17,7 @@ from rankwise.repro import santa as rs
 def test_modes_are_sized_as_the_spec_says() -> None:
     q, f = rs.SETTINGS["quick"], rs.SETTINGS["full"]
     assert q.sizes == (512,) and q.samples == (64,) and q.repeats == 500 and q.seeds == (0, 1) and q.model is None and q.instances == 4
-    assert f.sizes == (512, 4096) and f.samples == (16, 64, 256) and f.repeats == 2000 and f.claim_n == 4096 and f.instances == 1
+    assert f.sizes == (512, 4096) and f.samples == (16, 64, 256) and f.repeats == 2000 and f.claim_n == 4096 and f.instances == 4
     assert f.seeds == (0, 1, 2, 3, 4) and f.model == "gqa" and f.model_samples == 64 and f.window == 1024
     assert f.tail == 256 and f.n_prompts == 20 and f.new_tokens == 64
     assert rs.SETTINGS["smoke"].model == "gqa-smoke"
