@@ -322,3 +322,26 @@ def test_patch_rejects_non_models():
         santa.patch_attention(torch.nn.Linear(2, 2))
     with pytest.raises(TypeError, match="SantaConfig"):
         santa.patch_attention(torch.nn.Linear(2, 2), config={"num_samples": 4})  # type: ignore[arg-type]
+
+
+def test_patch_batched_generate_with_left_padding(gqa_smoke):
+    model, tok = gqa_smoke
+    a = tok("def parse(x):\n    return x + 1", return_tensors="pt").input_ids[0]
+    b = tok("class Foo:", return_tensors="pt").input_ids[0]
+    pad = tok.eos_token_id
+    ids = torch.full((2, len(a)), pad)
+    ids[0] = a
+    ids[1, len(a) - len(b):] = b
+    am = torch.zeros_like(ids)
+    am[0] = 1
+    am[1, len(a) - len(b):] = 1
+    kw = dict(attention_mask=am, max_new_tokens=5, do_sample=False, pad_token_id=pad)
+    ref = model.generate(ids, **kw)
+    santa.patch_attention(model, SantaConfig(num_samples=100_000))
+    try:
+        out = model.generate(ids, **kw)
+        st = santa.santa_stats(model)
+    finally:
+        santa.unpatch_attention(model)
+    assert torch.equal(out, ref)  # padded rows are never sampled; S >> n reads every valid row
+    assert st["rows_valid"] < st["estimated_calls"] * 2 * 8 * out.shape[1]
