@@ -8,11 +8,11 @@ batch axis: each has its own hashed stream). Measured: bias ``|mean(o_hat) - o|`
 ``mean |o_hat - o|^2``, rows read; the top-k baseline (k = S, deterministic) adds its squared error.
 
 Model test (full mode; smoke runs it on the seconds-long twin): the zoo's GQA Llama trained at context 1024
-(``tiny_lm("gqa")``: 8 query heads of dim 32 over 2 KV heads). Perplexity on ``ppl_windows`` eval windows of
-``window`` tokens: the first ``window - tail`` tokens are prefilled with exact attention, the last ``tail``
+(``tiny_lm("gqa")``: 8 query heads of dim 32 over 2 KV heads). Perplexity on ``ppl_windows`` windows of ``window`` tokens of the
+corpus' eval split: the first ``window - tail`` tokens are prefilled with exact attention, the last ``tail``
 positions are teacher-forced through the patched model (``decode_only=False``: each position estimated under
 its causal mask) with dense SDPA, SANTA-systematic (S = ``model_samples``) and top-k (k = S). Next-token
-agreement: ``n_prompts`` prompts of ``prompt_len`` tokens, dense greedy continuation of ``new_tokens``
+agreement: ``n_prompts`` prompts of ``prompt_len`` tokens (calib split), dense greedy continuation of ``new_tokens``
 tokens, then each method decodes the same tokens step by step (one query per step, SANTA on the decode
 path) and we count argmax agreements with dense.
 
@@ -173,10 +173,10 @@ def _model_test(s: SantaSettings, seed: int, model: Any, tok: Any) -> dict[str, 
     from rankwise.zoo import token_stream
 
     stream = token_stream(tok, "eval")
-    need = s.ppl_windows * s.window + s.n_prompts * s.prompt_len
+    need = s.ppl_windows * s.window
     if len(stream) < need:
-        stream = stream.repeat(need // len(stream) + 1)
-    wins = stream[: s.ppl_windows * s.window].view(s.ppl_windows, s.window)
+        raise ValueError(f"the eval split has {len(stream)} tokens, fewer than ppl_windows x window = {need}")
+    wins = stream[:need].view(s.ppl_windows, s.window)
     cut = s.window - s.tail
     methods = {"dense": None,
                "systematic": santa.SantaConfig(num_samples=s.model_samples, scheme="systematic", decode_only=False,
@@ -199,7 +199,10 @@ def _model_test(s: SantaSettings, seed: int, model: Any, tok: Any) -> dict[str, 
                     santa.unpatch_attention(model)
             nll[name].extend(_nll(logits[:, :-1], w[:, cut + 1:]).tolist())
     # next-token agreement: dense greedy tokens, then each method teacher-forced on them, one query per step
-    prompts = stream[s.ppl_windows * s.window: need].view(s.n_prompts, s.prompt_len)
+    calib = token_stream(tok, "calib")  # prompts from another split than the perplexity windows
+    if len(calib) < s.n_prompts * s.prompt_len:
+        raise ValueError(f"the calib split has {len(calib)} tokens, fewer than n_prompts x prompt_len")
+    prompts = calib[: s.n_prompts * s.prompt_len].view(s.n_prompts, s.prompt_len)
     dense_ids = model.generate(prompts, attention_mask=torch.ones_like(prompts), max_new_tokens=s.new_tokens,
                                min_new_tokens=s.new_tokens, do_sample=False, pad_token_id=tok.eos_token_id)
     forced = dense_ids[:, s.prompt_len:]
