@@ -341,6 +341,7 @@ class SantaReproduction(Reproduction[SantaSettings, dict]):
         ax.set_ylabel("MSE of the attention output")
         ax.set_title(f"decode attention estimators, n = {n}, d = {s.head_dim}")
         ax.legend(fontsize=8)
+        fig.tight_layout()
         return [save_figure(fig, out_dir / "santa_mse.png")]
 
     def notes(self, s: SantaSettings, records: Records[dict]) -> str:
