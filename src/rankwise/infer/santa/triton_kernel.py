@@ -131,7 +131,9 @@ def santa_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     m = torch.empty(R, T, dtype=torch.float32, device=dev)
     lt = torch.empty(R, T, dtype=torch.float32, device=dev)
     scores_kernel, sample_kernel = _kernels()
-    scores_kernel[(R, T)](qc, kc, lengths, u, m, lt, n, H, Hkv, H // Hkv, d, T, scale, BLOCK_N=L, BLOCK_D=BD)
+    warps = 8 if L * BD >= 128 * 64 else 4  # a 256 x 128 tile in registers wants more than 4 warps
+    scores_kernel[(R, T)](qc, kc, lengths, u, m, lt, n, H, Hkv, H // Hkv, d, T, scale, BLOCK_N=L, BLOCK_D=BD,
+                          num_warps=warps)
     if not (torch.isfinite(lt).all() and torch.isfinite(m[lt > 0]).all()):
         raise ValueError("santa_decode_triton: k_cache (or q) holds NaN or Inf")
     # budgets: global max, tile masses, S_t, offsets (the reference's hash), weights P_t / S_t
@@ -149,7 +151,7 @@ def santa_decode_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     part = torch.empty(R, T, d, dtype=torch.float32, device=dev)
     nread = torch.empty(R, T, dtype=torch.int32, device=dev)
     sample_kernel[(R, T)](vc, u, St.to(torch.int32).contiguous(), a.contiguous(), w, part, nread, n, H, Hkv,
-                          H // Hkv, d, T, BLOCK_N=L, BLOCK_D=BD)
+                          H // Hkv, d, T, BLOCK_N=L, BLOCK_D=BD, num_warps=warps)
     out = part.sum(1).view(B, H, d).to(q.dtype)
     if return_info:
         return out, {"rows_read": nread.sum(-1).view(B, H), "budgets": St.view(B, H, T)}
