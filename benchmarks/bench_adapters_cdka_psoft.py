@@ -21,52 +21,26 @@ Run ``python -m benchmarks.run adapters_cdka_psoft`` (a few minutes on 2 free co
 from __future__ import annotations
 
 import copy
-import functools
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
+from benchmarks import minilm_adapters as M
 from benchmarks.harness import Case
 
 BATCH, SEQ = 16, 16
 TARGETS = ("query", "key", "value", "attention.output.dense")
 
 
-class _Classifier(nn.Module):
-    """MiniLM encoder + mean pooling + linear head (4 classes)."""
-
-    def __init__(self, bert: nn.Module) -> None:
-        super().__init__()
-        self.bert = bert
-        self.classifier = nn.Linear(bert.config.hidden_size, 4)
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        h = self.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        w = attention_mask[..., None].to(h.dtype)
-        return self.classifier((h * w).sum(1) / w.sum(1))
-
-
-@functools.lru_cache(maxsize=1)
-def _base() -> nn.Module:
-    from rankwise import zoo
-
-    bert, _ = zoo.minilm()
-    torch.manual_seed(0)
-    return _Classifier(bert)
+_base = M.base
 
 
 def _inputs() -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(1000, 30000, (BATCH, SEQ), generator=g)
-    ids[:, 0], ids[:, -1] = 101, 102
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, torch.randint(0, 4, (BATCH,), generator=g)
+    return M.batch(BATCH, SEQ)
 
 
-def _head_on(model: nn.Module) -> nn.Module:
-    for p in model.classifier.parameters():
-        p.requires_grad_(True)
-    return model
+_head_on = M.head_on
 
 
 def _build(impl: str) -> nn.Module:
@@ -105,20 +79,12 @@ def _build(impl: str) -> nn.Module:
     raise ValueError(f"unknown implementation {impl!r}")
 
 
-def _train_step(impl: str) -> Callable[[], Callable[[], Any]]:
-    def factory() -> Callable[[], Any]:
-        model = _build(impl).train()
-        inputs, labels = _inputs()
-        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+def _with_adamw(model: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer]:
+    return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
 
-        def run() -> float:
-            loss = nn.functional.cross_entropy(model(**inputs), labels)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return float(loss.detach())
-        return run
-    return factory
+
+def _train_step(impl: str) -> Callable[[], Callable[[], Any]]:
+    return M.step_factory(lambda: _with_adamw(_build(impl)), _inputs)
 
 
 CASES = [

@@ -28,6 +28,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from benchmarks import minilm_adapters as M
 from benchmarks.bench_adapters_cdka_psoft import BATCH, SEQ, TARGETS, _base, _head_on, _inputs
 from benchmarks.harness import Case
 
@@ -60,18 +61,7 @@ def _build(impl: str) -> tuple[nn.Module, torch.optim.Optimizer]:
 
 
 def _train_step(impl: str) -> Callable[[], Callable[[], Any]]:
-    def factory() -> Callable[[], Any]:
-        model, opt = _build(impl)
-        inputs, labels = _inputs()
-
-        def run() -> float:
-            loss = nn.functional.cross_entropy(model(**inputs), labels)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return float(loss.detach())
-        return run
-    return factory
+    return M.step_factory(lambda: _build(impl), _inputs)
 
 
 IMPLS = ("peft-lora-adamw", "rankwise-lora-adamw", "rankwise-lora-adams", "rankwise-lora-lracs", "peft-lora-adams")

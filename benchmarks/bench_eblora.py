@@ -17,12 +17,12 @@ Run ``python -m benchmarks.run eblora`` (a few minutes on 2 free cores); ``--smo
 from __future__ import annotations
 
 import copy
-import functools
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
+from benchmarks import minilm_adapters as M
 from benchmarks.harness import Case
 
 BATCH, SEQ, RANK = 16, 32, 4
@@ -30,41 +30,15 @@ TARGETS = ("query", "key", "value", "attention.output.dense", "intermediate.dens
 PROTECTED = 64
 
 
-class _Classifier(nn.Module):
-    def __init__(self, bert: nn.Module) -> None:
-        super().__init__()
-        self.bert = bert
-        self.classifier = nn.Linear(bert.config.hidden_size, 4)
-
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        h = self.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        w = attention_mask[..., None].to(h.dtype)
-        return self.classifier((h * w).sum(1) / w.sum(1))
-
-
-@functools.lru_cache(maxsize=2)
 def _base(tiny: bool) -> nn.Module:
-    torch.manual_seed(0)
-    if tiny:
-        from transformers import BertConfig, BertModel
-
-        return _Classifier(BertModel(BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                                intermediate_size=64, vocab_size=30522)))
-    from rankwise import zoo
-
-    bert, _ = zoo.minilm()
-    return _Classifier(bert)
+    return M.base(tiny)
 
 
 def _inputs() -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(1000, 30000, (BATCH, SEQ), generator=g)
-    ids[:, 0], ids[:, -1] = 101, 102
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, torch.randint(0, 4, (BATCH,), generator=g)
+    return M.batch(BATCH, SEQ)
 
 
-def _loss(model: nn.Module, batch: Any) -> torch.Tensor:
-    return nn.functional.cross_entropy(model(**batch[0]), batch[1])
+_loss = M.ce_loss
 
 
 def _build(impl: str, tiny: bool) -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -76,8 +50,7 @@ def _build(impl: str, tiny: bool) -> tuple[nn.Module, torch.optim.Optimizer]:
             torch.manual_seed(0)
             model = peft.inject_adapter_in_model(peft.LoraConfig(r=RANK, lora_alpha=2 * RANK,
                                                                  target_modules=list(TARGETS)), model)
-        for p in model.classifier.parameters():
-            p.requires_grad_(True)
+        M.head_on(model)
         return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     if impl == "rankwise-eblora":
         from rankwise.adapt import stiefel_cl as eb
@@ -91,26 +64,13 @@ def _build(impl: str, tiny: bool) -> tuple[nn.Module, torch.optim.Optimizer]:
             with torch.no_grad():
                 V = layer.eblora_V["default"]
                 V.copy_(eb.polar(eb.project_out(F.double(), V.double())).float())
-        for p in model.classifier.parameters():
-            p.requires_grad_(True)
+        M.head_on(model)
         return model, eb.make_optimizer(model, lr=1e-3, extra_params=model.classifier.parameters())
     raise ValueError(f"unknown implementation {impl!r}")
 
 
 def _train_step(impl: str, tiny: bool = False) -> Callable[[], Callable[[], Any]]:
-    def factory() -> Callable[[], Any]:
-        model, opt = _build(impl, tiny)
-        model.train()
-        inputs, labels = _inputs()
-
-        def run() -> float:
-            loss = nn.functional.cross_entropy(model(**inputs), labels)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return float(loss.detach())
-        return run
-    return factory
+    return M.step_factory(lambda: _build(impl, tiny), _inputs)
 
 
 def _optimizer_step(impl: str, tiny: bool = False) -> Callable[[], Callable[[], Any]]:

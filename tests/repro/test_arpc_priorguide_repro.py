@@ -41,6 +41,7 @@ def test_priorguide_smoke_has_the_spec_blocks(tmp_path):
     rows = res.table.rows
     assert "mmd" in res.table.columns
     assert "PriorGuide [mixture q]" in rows and "PriorGuide [scale sweep]" in rows
+    assert "retrained on q" in rows and "retrained on q [mixture q]" in rows  # the spec's gold standard
     statements = " | ".join(c.statement for c in res.checks)
     assert "prior-scale sweep" in statements and "2-component mixture q" in statements
     assert priorguide.SETTINGS["full"].tasks == ("gaussian_linear", "two_moons", "sir")
@@ -59,3 +60,17 @@ def test_priorguide_smoke_runs_the_full_mode_tasks(tmp_path):
     statements = " | ".join(c.statement for c in res.checks)
     assert "sir, off-centre Gaussian q" in statements and "two_moons, 2-component mixture q" in statements
     assert "priorguide_sir_samples.png" in res.figures
+
+
+def test_priorguide_retrained_on_q_pairs_come_from_q_on_the_training_box():
+    from rankwise.repro.kit import score_models as zm
+
+    for task in zm.TASKS:
+        q, box = zm.new_prior(task), zm.train_prior(task)
+        theta, x = zm.q_task_data(task, "gaussian", 0, 2000)
+        assert theta.shape == (2000, 2) and x.shape[0] == 2000 and box.contains(theta.double()).all()
+        assert (theta.double().mean(0) - q.means[0]).abs().max() < 0.05  # q's mean, not the box's centre
+    a, _ = zm.q_task_data("gaussian_linear", "mixture", 0, 2000)
+    assert (a[:, 0] > 0).float().mean().item() == pytest.approx(0.5, abs=0.05)  # both components
+    with pytest.raises(ValueError, match="kind"):
+        zm.q_score_model("gaussian_linear", "uniform", 0, cache=False)

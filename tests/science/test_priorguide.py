@@ -340,6 +340,49 @@ def test_sir_simulator_and_grid_reference():
     assert abs(float(ref.var(0).mean()) - 1 / (1 / 0.01 + 1 / 0.04)) < 0.001
 
 
+def _moons_q():
+    return _gauss([[0.3, -0.3], [-0.3, 0.3]], 0.04)
+
+
+def test_two_moons_reference_agrees_with_rejection_where_rejection_works():
+    """An observation simulated under q itself: rejection from q accepts often; the arc grid gives the same law."""
+    box, q = _box(1.0), _moons_q()
+    g = torch.Generator().manual_seed(4)
+    x = pg.two_moons(q.sample(1, g).float(), g)[0]
+    grid = pg.two_moons_reference(x, q, 800, seed=0, box=box).double()
+    rej = pg.two_moons_rejection(x, q, 800, seed=10, box=box).double()
+    assert torch.isfinite(pg.two_moons_log_likelihood(grid, x)).all() and box.contains(grid).all()
+    assert (grid.mean(0) - rej.mean(0)).abs().max() < 0.03
+    assert ((grid.std(0) / rej.std(0)) - 1).abs().max() < 0.12
+    shifted = rej + 0.25 * rej.std(0)  # the MMD sees a quarter-std shift; equal laws stay well below it
+    assert pg.mmd2(grid, rej) < 0.5 * pg.mmd2(grid, shifted)
+
+
+def test_two_moons_reference_in_the_prior_tail_matches_a_fine_theta_grid():
+    """An observation from theta = (-0.8, 0.8), in q's far tail: rejection from q gives up, the arc grid
+    agrees with a brute-force exact-likelihood grid on theta around the posterior."""
+    box, q = _box(1.0), _moons_q()
+    x = pg.two_moons(torch.tensor([[-0.8, 0.8]]), torch.Generator().manual_seed(1))[0]
+    with pytest.raises(ValueError, match="two_moons_rejection: only"):
+        pg.two_moons_rejection(x, q, 300, batch=20_000, max_batches=2)
+    arc = pg.two_moons_reference(x, q, 1000, seed=0, box=box).double()
+    lo = (arc.min(0).values - 0.05).clamp(-1, 1)
+    hi = (arc.max(0).values + 0.05).clamp(-1, 1)
+    brute = pg.grid_reference(pg.two_moons_log_likelihood, x, q, pg.BoxUniform(lo, hi), 1000, cells=600,
+                              seed=1).double()
+    assert (arc.mean(0) - brute.mean(0)).abs().max() < 0.01
+    assert ((arc.std(0) / brute.std(0)) - 1).abs().max() < 0.1
+    shifted = brute + 0.25 * brute.std(0)
+    assert pg.mmd2(arc, brute) < 0.5 * pg.mmd2(arc, shifted)
+
+
+def test_two_moons_reference_bad_input():
+    with pytest.raises(ValueError, match="x_obs"):
+        pg.two_moons_reference(torch.tensor([float("nan"), 0.0]), _moons_q(), 10)
+    with pytest.raises(ValueError, match="no theta"):  # x1 beyond the moon's reach: no theta produces it
+        pg.two_moons_reference(torch.tensor([0.9, 0.0]), _moons_q(), 10)
+
+
 # --- bad input ---------------------------------------------------------------------------------------
 
 def test_non_psd_covariance_is_refused():

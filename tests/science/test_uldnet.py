@@ -108,6 +108,38 @@ def test_out_of_range_variance_warns():
     assert flagged(outside) >= len(x)
 
 
+def test_running_vbar_is_the_mean_of_the_per_sample_variances():
+    """V-bar is the spec's running mean of Var[x] over training samples (cumulative average over the first
+    1/momentum batches), not a per-batch or a max statistic: so E[mu v] = mu on the training data."""
+    n = U.PolyNorm(16, U.ULDConfig()).train()
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randn(8, 16, generator=g) * (0.5 + 3 * torch.rand(8, 1, generator=g)) for _ in range(5)]
+    for b in batches:
+        n(b)
+    var = torch.cat(batches).var(1, unbiased=False)
+    assert torch.allclose(n.running_var, var.mean(), rtol=1e-6)
+    assert float(n.running_var) < 0.5 * float(var.max())
+
+
+def test_range_warning_flags_exactly_the_samples_beyond_k_times_vbar():
+    """On the training inputs, the samples the warning counts are those whose own variance exceeds k V-bar
+    (mu v >= k mu): a real tail of the per-sample variances (8 features), not a mis-estimated V-bar."""
+    m, x, _ = _trained()
+    norm = U.polynorms(m)[0]
+    seen = []
+    hook = norm.register_forward_hook(lambda mod, inp, out: seen.append(inp[0].detach()))
+    with warnings.catch_warnings(record=True) as ws:
+        warnings.simplefilter("always")
+        m(x)
+    hook.remove()
+    var = seen[0].var(1, unbiased=False)
+    beyond = int((var >= norm.config.k * norm.running_var).sum())
+    flagged = sum(int(str(w.message).split("PolyNorm: ")[1].split(" sample")[0]) for w in ws
+                  if issubclass(w.category, U.PolyNormRangeWarning))
+    assert flagged == beyond
+    assert abs(float(var.mean() / norm.running_var) - 1) < 0.1  # V-bar is the mean variance of these inputs
+
+
 def test_depth_counting_per_operator():
     m, _, _ = _trained()
     d = U.count_depth(m.eval())

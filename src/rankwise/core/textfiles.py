@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 from rankwise.core.validate import check_int
 
 if TYPE_CHECKING:  # torch only where batches are built, so that reading JSONL (the CLI) stays light
     import torch
 
-__all__ = ["json_line", "read_texts", "tokenize_batches"]
+__all__ = ["iter_jsonl", "json_line", "read_texts", "tokenize_batches"]
 
 
 def json_line(path: Path, no: int, line: str) -> Any:
@@ -25,6 +25,26 @@ def json_line(path: Path, no: int, line: str) -> Any:
         return json.loads(line)
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}:{no}: not valid JSON ({e.msg})") from None
+
+
+def iter_jsonl(path: str | Path) -> Iterator[tuple[int, Any]]:
+    """``(line number, parsed value)`` for every non-blank line of a JSON-lines file.
+
+    Raises ``FileNotFoundError`` for a missing file and ``ValueError("<path>:<no>: ...")`` for a line
+    that is not UTF-8 or not valid JSON. Checking the values' shape is the caller's.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such data file")
+    with path.open("rb") as fh:
+        for no, raw in enumerate(fh, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{no}: not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1})"
+                                 ) from None
+            if line.strip():
+                yield no, json_line(path, no, line)
 
 
 def read_texts(path: str | Path) -> list[str]:

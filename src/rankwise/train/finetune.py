@@ -283,6 +283,18 @@ def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
+
+def apply_update(params: Sequence[torch.Tensor], optimizer: torch.optim.Optimizer, scheduler: Any,
+                 grad_clip: float | None, lrs: list[float]) -> None:
+    """One update after ``backward``: clip the gradient norm (when ``grad_clip`` is set), record the
+    learning rate used into ``lrs``, step the optimizer and the schedule, clear the gradients."""
+    if grad_clip is not None:
+        torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    lrs.append(float(optimizer.param_groups[0]["lr"]))
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+
 class Trainer:
     """A model, its optimizer and learning-rate schedule; :meth:`step` trains on one :class:`Batch`.
 
@@ -390,12 +402,7 @@ class Trainer:
                 raise NumericalError(f"training loss is {float(loss.detach())} at step {i} (lr {lr:g}); "
                                      "lower the learning rate or check the inputs")
             loss.backward()
-        if self.config.grad_clip is not None:
-            torch.nn.utils.clip_grad_norm_(self.params, self.config.grad_clip)
-        self.lrs.append(float(self.optimizer.param_groups[0]["lr"]))
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        apply_update(self.params, self.optimizer, self.scheduler, self.config.grad_clip, self.lrs)
         dt = time.perf_counter() - t0
         value = float(loss.detach())
         if extra is not None:

@@ -36,6 +36,7 @@ from torch import nn
 from rankwise.core.errors import NumericalError
 from rankwise.core.lmdata import IGNORE_INDEX, LMBatch, collate, encode_pair
 from rankwise.core.validate import check_bool, check_choice, check_int, check_number, check_positive, check_unit
+from rankwise.train.finetune import apply_update
 
 __all__ = ["SFTConfig", "SFTResult", "SFTTrainer", "exact_match", "generate", "make_sft_batches", "pairs_of", "sft"]
 
@@ -198,12 +199,7 @@ class SFTTrainer:
                                      "or check the inputs")
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
-        if self.config.grad_clip is not None:
-            torch.nn.utils.clip_grad_norm_(self.params, self.config.grad_clip)
-        self.lrs.append(float(self.optimizer.param_groups[0]["lr"]))
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        apply_update(self.params, self.optimizer, self.scheduler, self.config.grad_clip, self.lrs)
         self.losses.append(float(loss.detach()))
         self.step_times.append(time.perf_counter() - t0)
         return self.losses[-1]

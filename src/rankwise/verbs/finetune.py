@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import typer
 
-from rankwise.core.textfiles import json_line
+from rankwise.core.textfiles import iter_jsonl
 
 if TYPE_CHECKING:
     from torch import nn
@@ -61,27 +61,16 @@ def read_jsonl(path: Path) -> list[tuple[str, Any]]:
     Raises ``ValueError`` naming the line for malformed JSON, a missing field or a wrong type;
     ``FileNotFoundError`` for a missing file; ``ValueError`` for an empty file.
     """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such data file")
     out: list[tuple[str, Any]] = []
-    with path.open("rb") as fh:
-        for no, raw in enumerate(fh, 1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise ValueError(f"{path}:{no}: not UTF-8 text (byte {raw[e.start]:#04x} at column {e.start + 1})") from None
-            if not line.strip():
-                continue
-            obj = json_line(path, no, line)
-            if not isinstance(obj, dict) or "text" not in obj or "label" not in obj:
-                raise ValueError(f"{path}:{no}: expected an object with 'text' and 'label'")
-            text, label = obj["text"], obj["label"]
-            if not isinstance(text, str) or not text.strip():
-                raise ValueError(f"{path}:{no}: 'text' must be a non-empty string")
-            if isinstance(label, bool) or not isinstance(label, (int, str)):
-                raise ValueError(f"{path}:{no}: 'label' must be an int or a string, got {label!r}")
-            out.append((text, label))
+    for no, obj in iter_jsonl(path):
+        if not isinstance(obj, dict) or "text" not in obj or "label" not in obj:
+            raise ValueError(f"{path}:{no}: expected an object with 'text' and 'label'")
+        text, label = obj["text"], obj["label"]
+        if not isinstance(text, str) or not text.strip():
+            raise ValueError(f"{path}:{no}: 'text' must be a non-empty string")
+        if isinstance(label, bool) or not isinstance(label, (int, str)):
+            raise ValueError(f"{path}:{no}: 'label' must be an int or a string, got {label!r}")
+        out.append((text, label))
     if not out:
         raise ValueError(f"{path}: no examples")
     return out

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import typer
 
@@ -31,25 +31,14 @@ FILES = ("subset.jsonl", "heads.safetensors", "selection.json")
 
 def read_pairs(path: Path) -> list[dict[str, Any]]:
     """The objects of a JSONL file of ``{"prompt": str, "completion": str, ...}`` (blank lines skipped)."""
-    from rankwise.core.textfiles import json_line
+    from rankwise.core.textfiles import iter_jsonl
 
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such data file")
     rows: list[dict[str, Any]] = []
-    with path.open("rb") as fh:
-        for no, raw in enumerate(fh, 1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError:
-                raise ValueError(f"{path}:{no}: not UTF-8 text") from None
-            if not line.strip():
-                continue
-            obj = json_line(path, no, line)
-            if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) \
-                    or not isinstance(obj.get("completion"), str):
-                raise ValueError(f"{path}:{no}: expected an object with string fields 'prompt' and 'completion'")
-            rows.append(obj)
+    for no, obj in iter_jsonl(path):
+        if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str) \
+                or not isinstance(obj.get("completion"), str):
+            raise ValueError(f"{path}:{no}: expected an object with string fields 'prompt' and 'completion'")
+        rows.append(obj)
     if not rows:
         raise ValueError(f"{path}: no examples (the data file is empty)")
     return rows

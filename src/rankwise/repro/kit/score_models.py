@@ -6,9 +6,11 @@ training prior (``Uniform[-3, 3]^2``; two moons ``Uniform[-1, 1]^2``; SIR ``(bet
 
 * our :class:`~rankwise.science.priorguide.ScoreDiffusion` (MLP 4 x 64, ``sigma`` in [0.01, 5]),
   denoising score matching, Adam with cosine decay (``ours_*`` of :data:`RECIPE`);
-* sbi's NPSE (VE SDE, MLP score network) on the same pairs (``sbi_*``), when sbi is installed.
+* sbi's NPSE (VE SDE, MLP score network) on the same pairs (``sbi_*``), when sbi is installed;
+* "retrained on q" (the spec's gold standard): our model with the same recipe trained on pairs simulated
+  under each test prior q (``new_prior(task, kind)``, restricted to the training box).
 
-Files: ``cache_dir()/priorguide/<task>-s<seed>-<hash>-{ours,sbi}.safetensors``; the hash covers the
+Files: ``cache_dir()/priorguide/<task>-s<seed>-<hash>-{ours,sbi,q-gaussian,q-mixture}.safetensors``; the hash covers the
 recipe and the torch/sbi major.minor versions. sbi estimators are stored as a state dict
 (safetensors) and rebuilt around the regenerated training pairs (z-scoring buffers included), so
 nothing is unpickled. Cold build (measured, one thread, idle-equivalent CPU): see docs/methods/priorguide.md.
@@ -30,7 +32,8 @@ from rankwise.core.errors import ArtifactError
 from rankwise.science import priorguide as pg
 from rankwise.zoo import cache_dir
 
-__all__ = ["RECIPE", "TASKS", "build", "sbi_estimator", "score_model", "task_data", "train_prior"]
+__all__ = ["Q_KINDS", "RECIPE", "TASKS", "build", "new_prior", "q_score_model", "q_task_data", "sbi_estimator",
+           "score_model", "task_data", "train_prior"]
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +47,10 @@ RECIPE: dict[str, Any] = {
 }
 #: What ``rankwise zoo build`` builds: every task for these seeds.
 BUILD_SEEDS = (0, 1, 2)
+#: The test priors of the reproduction (``new_prior(task, kind)``); Gaussian-linear's off-centre Gaussian.
+Q_KINDS = ("gaussian", "mixture")
+Q_MEAN = (1.0, -1.0)
+Q_STD = 0.3
 
 
 def train_prior(task: str) -> pg.BoxUniform:
@@ -54,6 +61,26 @@ def train_prior(task: str) -> pg.BoxUniform:
     if task == "sir":
         return pg.BoxUniform(torch.tensor([1.0, 0.5]), torch.tensor([4.0, 2.0]))
     raise ValueError(f"task={task!r} is not a PriorGuide task; choose from {list(TASKS)}")
+
+
+def new_prior(task: str, kind: str = "gaussian", scale: float | None = None) -> pg.GaussianMixture:
+    """The new prior q of ``task``: ``kind="gaussian"`` an off-centre Gaussian (Gaussian-linear: N((1, -1),
+    0.3^2 I), or ``scale^2 I`` for the sweep; two moons: N((0.3, -0.3), 0.2^2 I); SIR: N((2, 1), diag(0.25^2,
+    0.12^2))), ``kind="mixture"`` an equal-weight 2-component mixture of it and its mirror image
+    (Gaussian-linear: (-1, 1); two moons: (-0.3, 0.3); SIR: (3, 1.5))."""
+    if task == "gaussian_linear":
+        means, cov = [Q_MEAN, (-1.0, 1.0)], (scale or Q_STD) ** 2 * torch.eye(2)
+    elif task == "two_moons":
+        means, cov = [(0.3, -0.3), (-0.3, 0.3)], 0.04 * torch.eye(2)
+    elif task == "sir":
+        means, cov = [(2.0, 1.0), (3.0, 1.5)], torch.diag(torch.tensor([0.25**2, 0.12**2]))
+    else:
+        raise ValueError(f"task={task!r} is not a PriorGuide task")
+    if kind == "gaussian":
+        return pg.GaussianMixture([1.0], means[:1], [cov])
+    if kind != "mixture":
+        raise ValueError(f"kind={kind!r}: choose from {list(Q_KINDS)}")
+    return pg.GaussianMixture([0.5, 0.5], means, [cov, cov])
 
 
 def simulate(task: str, theta: Tensor, gen: torch.Generator, noise: float = 0.1) -> Tensor:
@@ -70,6 +97,21 @@ def task_data(task: str, seed: int, n: int, noise: float = 0.1) -> tuple[Tensor,
     """The training pairs ``(theta, x)`` (float32) of ``task`` for ``seed`` (deterministic)."""
     gen = torch.Generator().manual_seed(10_000 + seed)
     theta = train_prior(task).sample(n, gen)
+    return theta.float(), simulate(task, theta, gen, noise).float()
+
+
+def q_task_data(task: str, kind: str, seed: int, n: int, noise: float = 0.1) -> tuple[Tensor, Tensor]:
+    """Training pairs simulated under the new prior ``new_prior(task, kind)`` restricted to the training box
+    (the posterior PriorGuide targets; rejection, < 0.1 % of q lies outside any of the boxes)."""
+    gen = torch.Generator().manual_seed(20_000 + 10 * seed + Q_KINDS.index(kind))
+    q, box = new_prior(task, kind), train_prior(task)
+    parts, got = [], 0
+    while got < n:
+        th = q.sample(n, gen)
+        th = th[box.contains(th)]
+        parts.append(th)
+        got += th.shape[0]
+    theta = torch.cat(parts)[:n]
     return theta.float(), simulate(task, theta, gen, noise).float()
 
 
@@ -99,16 +141,36 @@ def score_model(task: str, seed: int = 0, *, recipe: dict[str, Any] | None = Non
     if cache and path.is_file() and not rebuild:
         return pg.ScoreDiffusion.load(path)
     theta, x = task_data(task, seed, R["n_sims"], R["noise"])
+    return _fit_ours(theta, x, R, seed, path if cache else None, {"task": task, "seed": seed, "prior": "train"})
+
+
+def _fit_ours(theta: Tensor, x: Tensor, R: dict[str, Any], seed: int, path: Any, meta: dict[str, Any]) -> pg.ScoreDiffusion:
     t0 = time.perf_counter()
+    c0 = time.process_time()
     m = pg.ScoreDiffusion(theta.shape[1], x.shape[1], sigma_min=R["sigma_min"], sigma_max=R["sigma_max"],
                           hidden=R["ours_hidden"], layers=R["ours_layers"])
     m.fit(theta, x, steps=R["ours_steps"], batch_size=R["ours_batch"], lr=R["ours_lr"], seed=seed)
-    if cache:
+    if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        m.save(path, {"task": task, "seed": seed, "recipe": R, "final_loss": m.fit_result.final_loss,
-                      "train_wall_s": time.perf_counter() - t0})
-        logger.info("trained PriorGuide score model %s seed %d in %.1f s", task, seed, time.perf_counter() - t0)
+        m.save(path, {**meta, "recipe": R, "final_loss": m.fit_result.final_loss,
+                      "train_wall_s": time.perf_counter() - t0, "train_cpu_s": time.process_time() - c0})
+        logger.info("trained PriorGuide score model %s in %.1f s", meta, time.perf_counter() - t0)
     return m
+
+
+def q_score_model(task: str, kind: str, seed: int = 0, *, recipe: dict[str, Any] | None = None,
+                  rebuild: bool = False, cache: bool = True) -> pg.ScoreDiffusion:
+    """The "retrained on q" gold standard (spec, Baselines): our score model with the recipe of
+    :func:`score_model`, trained on pairs simulated under ``new_prior(task, kind)`` (:func:`q_task_data`);
+    cached like the others (``<task>-s<seed>-<hash>-q-<kind>.safetensors``)."""
+    if kind not in Q_KINDS:
+        raise ValueError(f"kind={kind!r}: choose from {list(Q_KINDS)}")
+    R = dict(recipe or RECIPE)
+    path = _path(task, seed, f"q-{kind}", R)
+    if cache and path.is_file() and not rebuild:
+        return pg.ScoreDiffusion.load(path)
+    theta, x = q_task_data(task, kind, seed, R["n_sims"], R["noise"])
+    return _fit_ours(theta, x, R, seed, path if cache else None, {"task": task, "seed": seed, "prior": kind})
 
 
 def sbi_estimator(task: str, seed: int = 0, *, recipe: dict[str, Any] | None = None, rebuild: bool = False,
@@ -152,5 +214,9 @@ def build(force: bool = False, progress: bool = False, tasks: tuple[str, ...] = 
                 rec["sbi_s"] = round(time.perf_counter() - t0, 1)
             else:
                 rec["sbi"] = "skipped (sbi not installed)"
+            for kind in Q_KINDS:  # the "retrained on q" gold-standard rows
+                t0 = time.perf_counter()
+                q_score_model(task, kind, seed, rebuild=force)
+                rec[f"q_{kind}_s"] = round(time.perf_counter() - t0, 1)
             out[f"{task}/s{seed}"] = rec
     return out

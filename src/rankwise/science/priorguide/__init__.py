@@ -71,6 +71,7 @@ from rankwise.science.priorguide.tasks import (
     two_moons,
     two_moons_log_likelihood,
     two_moons_reference,
+    two_moons_rejection,
 )
 
 __all__ = [
@@ -111,6 +112,7 @@ __all__ = [
     "two_moons",
     "two_moons_log_likelihood",
     "two_moons_reference",
+    "two_moons_rejection",
 ]
 
 register("priorguide", config=PriorGuide, entry=sample)
