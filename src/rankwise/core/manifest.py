@@ -9,8 +9,10 @@ equals what importing every method module registers.
 from __future__ import annotations
 
 REGISTERED: dict[str, str] = {
+    'agentvocab': 'rankwise.infer.agentvocab',
     'arpc': 'rankwise.science.arpc.codec',
     'cdka': 'rankwise.adapt.cdka.model',
+    'condiquant': 'rankwise.compress.condiquant',
     'ctm': 'rankwise.merge.ctm',
     'daf': 'rankwise.adapt.daf.model',
     'diffbcp': 'rankwise.science.diffbcp.method',
@@ -18,6 +20,7 @@ REGISTERED: dict[str, str] = {
     'e2lora': 'rankwise.adapt.e2lora.model',
     'fslora': 'rankwise.federated.fslora',
     'gfwsvd': 'rankwise.compress.gfwsvd',
+    'heapr': 'rankwise.compress.heapr',
     'intrinsic_dynamics': 'rankwise.science.intrinsic_dynamics',
     'lopti': 'rankwise.train.lopti',
     'lora': 'rankwise.adapt.lora.model',
@@ -36,7 +39,8 @@ REGISTERED: dict[str, str] = {
     'saes_svd': 'rankwise.compress.saes_svd',
     'safety_one_shot': 'rankwise.train.safety_one_shot',
     'sambal': 'rankwise.science.sambal.relex',
-    'santa': 'rankwise.infer.santa.model',
+    'santa': 'rankwise.infer.santa',
+    'star_kv': 'rankwise.compress.star_kv',
     'stiefel_cl': 'rankwise.adapt.stiefel_cl.model',
     'swift_svd': 'rankwise.compress.swift_svd',
     'token_dynamics': 'rankwise.science.token_dynamics',

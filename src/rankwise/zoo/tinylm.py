@@ -126,8 +126,9 @@ RECIPES: dict[str, TinyLMRecipe] = {
     "gqa-smoke": TinyLMRecipe(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                               num_attention_heads=8, num_key_value_heads=2, seq_len=256, batch_size=2, steps=6,
                               lr=3e-3, warmup_steps=2, tokenizer_max_docs=300, max_eval_tokens=2048),
-    "gqa": TinyLMRecipe(vocab_size=2048, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
-                        num_attention_heads=8, num_key_value_heads=2, seq_len=1024, batch_size=4, steps=400,
+    # (two layers and batch 2 keep the build near 6 CPU minutes: a step of 2 x 1024 tokens costs ~1 CPU s)
+    "gqa": TinyLMRecipe(vocab_size=2048, hidden_size=256, intermediate_size=688, num_hidden_layers=2,
+                        num_attention_heads=8, num_key_value_heads=2, seq_len=1024, batch_size=2, steps=400,
                         lr=2e-3, warmup_steps=30),
     # a Qwen2-MoE: 8 routed experts (top-2, expert FFN 64) and a shared expert in every layer (HEAPr)
     "moe-smoke": TinyLMRecipe(vocab_size=384, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
@@ -477,8 +478,8 @@ def tiny_lm(size: str = "small", rebuild: bool = False, progress: bool | None = 
     (about 1.3M parameters), trained 600 steps of 16 x 128 tokens; the first call builds it (about
     1-3 min on 2 CPU cores) and caches it, later calls load it (well under a second).
     ``size="smoke"``: a few-second build for tests. ``rebuild=True`` retrains and replaces the cache.
-    ``size="gqa"``: a grouped-query Llama (hidden 256, 4 layers, 8 query heads of dim 32 over 2 KV
-    heads, FFN 688) trained 400 steps of 4 x 1024 tokens (context 1024). ``size="moe"``: a
+    ``size="gqa"``: a grouped-query Llama (hidden 256, 2 layers, 8 query heads of dim 32 over 2 KV
+    heads, FFN 688) trained 400 steps of 2 x 1024 tokens (context 1024). ``size="moe"``: a
     Qwen2-MoE (hidden 128, 4 layers, 8 routed experts top-2 with expert FFN 64 plus a gated shared
     expert of FFN 128), trained like ``small`` with the router's load-balancing loss.
     ``gqa-smoke`` / ``moe-smoke``: seconds-long builds of the same architectures for tests.

@@ -73,4 +73,4 @@ __all__ = [
     "unpatch_attention",
 ]
 
-register("santa", config=SantaConfig, entry=patch_attention)
+register("santa", config=SantaConfig, entry=patch_attention, module=__name__)

@@ -19,6 +19,8 @@ BUILDERS: dict[str, str] = {
     "diffbcp": "rankwise.repro.kit.diffusion_priors:build",
     "uldnet": "rankwise.repro.kit.uldnet_models:build",
     "sambal": "rankwise.repro.kit.sambal_models:build",
+    "condiquant": "rankwise.repro.kit.condiquant_sr:build",
+    "agentvocab": "rankwise.repro.kit.agentvocab_models:build",
 }
 
 

@@ -1,0 +1,300 @@
+"""Reproduction of AgentVocab (ICML 2026): mined structural + content tokens cut the tokens and latency of
+tool calls without hurting their accuracy.
+
+Data (:mod:`rankwise.zoo.agent_traces`, seeded; the generator is documented there): 30 tools with JSON
+schemas, single-call trajectories rendered by the hermes-like template (two tools listed in the system
+prompt, the request, the call, the tool response, a short answer). Train: the first ``n_train``
+trajectories of seed 0; test: ``n_test`` trajectories of generator seed 1.
+
+* Stage 1 (cached, :mod:`rankwise.repro.kit.agentvocab_models`): ``zoo.tiny_lm("small")`` (Llama, 4 layers,
+  hidden 128, byte-level BPE of 2,048) with the template markers as single tokens, fully fine-tuned 300
+  steps of 8 trajectories on 5,000 train trajectories with its own tokenizer.
+* Stage 2, the same budget per arm (``steps`` batches of ``batch_size``, same seed and data order):
+  **vanilla** continues with T0; **AgentVocab** mines the train trajectories (structural n-grams; TL-BPE
+  content candidates ranked by the stage-1 model's embedding gradients on ``grad_samples`` sequences),
+  keeps the reachable top ``structural_budget`` + ``content_budget``, adds them with mean-initialised rows
+  and continues with the expanded tokenizer.
+* Tokenizer-only contrasts (no training): **structural-only** (``structural_only_budget`` structural
+  tokens) and **continued BPE** (the same number of merges appended to T0's), measured on the gold calls.
+* Evaluation on the test requests: greedy decoding with the KV cache until ``</tool_call>`` (batched for
+  accuracy; batch 1 for latency, median of ``latency_repeats`` runs per call on the first ``n_latency``
+  requests), exact match of the parsed call (name + arguments, JSON types included), prompt tokens and
+  generated tokens per call.
+
+Checks (thresholds are the spec's, fixed before any run):
+
+(1) output tokens per call: mean per-call reduction AgentVocab vs vanilla >= 30 % (paired per request);
+(2) median latency per call: reduction >= 15 % (a claim in full mode; reported in quick mode, as the spec
+    says: on a shared CPU it holds only qualitatively);
+(3) exact match: AgentVocab - vanilla >= -2 points (paired per request);
+(4) structural-only achieves >= 70 % of the mixed vocabulary's reduction of gold-call tokens.
+Wiring: decode(encode(s)) == s for every rendered trajectory under every tokenizer; new rows equal the
+mean of their subtoken rows before training; every selected token is emitted on the train corpus; the
+corpus never gets more tokens. Precondition: vanilla learned tool calling (exact match >= 0.2).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import statistics
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rankwise.infer.agentvocab import (
+    AgentVocab,
+    AgentVocabConfig,
+    call_text,
+    compression_report,
+    continued_bpe,
+    exact_match,
+    generate_calls,
+    parse_call,
+    render_corpus,
+    sft_train,
+    subtoken_ids,
+    timed_call,
+    token_counts,
+)
+from rankwise.repro.result import ClaimCheck, Precondition, Table
+from rankwise.repro.skeleton import Records, Reproduction, Settings, pyplot, save_figure, setting
+
+ID = "agentvocab"
+CLAIM = ("AgentVocab (mined structural + content tokens, mean-initialised, fine-tuned) cuts output tokens per tool "
+         "call by >= 30 % and median latency per call by >= 15 % versus the same model and budget without new "
+         "tokens, with exact match within 2 points; structural tokens alone give >= 70 % of the token reduction.")
+
+ARMS = ("vanilla", "agentvocab")
+ROW = {"vanilla": "vanilla (T0, same budget)", "agentvocab": "AgentVocab (mixed)",
+       "structural": "structural-only (tokenizer)", "cbpe": "continued BPE (tokenizer)"}
+MIN_OUT_REDUCTION = 0.30   # claim 1
+MIN_LAT_REDUCTION = 0.15   # claim 2
+EM_TOLERANCE = -0.02       # claim 3
+MIN_STRUCT_SHARE = 0.70    # claim 4
+MIN_VANILLA_EM = 0.20      # precondition
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AgentVocabSettings(Settings):
+    """What the AgentVocab reproduction runs; ``SETTINGS[mode]`` holds each mode's values."""
+
+    stage1: str = setting("small", "stage-1 checkpoint (repro.kit.agentvocab_models recipe)", choices=("small", "smoke"))
+    n_train: int = setting(5000, "train trajectories (mining and stage 2)", lo=10)
+    n_test: int = setting(1000, "test requests", lo=1)
+    steps: int = setting(600, "stage-2 steps per arm (the same budget for both)", lo=1)
+    batch_size: int = setting(8, "trajectories per step", lo=1)
+    lr: float = setting(1e-3, "stage-2 AdamW learning rate (both arms)", lo=0.0)
+    max_length: int = setting(1024, "tokens per training sequence", lo=16)
+    structural_budget: int = setting(96, "structural tokens of the mixed vocabulary", lo=0)
+    content_budget: int = setting(32, "content tokens of the mixed vocabulary", lo=0)
+    structural_only_budget: int = setting(128, "tokens of the structural-only contrast", lo=0)
+    min_freq: int = setting(10, "minimum candidate frequency", lo=1)
+    grad_samples: int = setting(200, "sequences whose embedding gradients rank content candidates", lo=0)
+    max_new_tokens: int = setting(96, "greedy decoding budget per call", lo=1)
+    n_latency: int = setting(50, "test requests timed at batch 1", lo=1)
+    latency_repeats: int = setting(3, "timed runs per request (median)", lo=1)
+    latency_claim: bool = setting(True, "check claim 2 (else latency is reported only)")
+
+
+SETTINGS: dict[str, AgentVocabSettings] = {
+    "smoke": AgentVocabSettings(stage1="smoke", n_train=60, n_test=6, steps=2, batch_size=2, max_length=512,
+                                structural_budget=12, content_budget=4, structural_only_budget=16, min_freq=5,
+                                grad_samples=4, max_new_tokens=8, n_latency=2, latency_repeats=1,
+                                latency_claim=False, seeds=(0,)),
+    # quick: the spec's quick mode (1000 trajectories, 300 steps, K = 64, 200 requests, seed 0); latency reported
+    "quick": AgentVocabSettings(n_train=1000, n_test=200, steps=300, batch_size=4, structural_budget=48, content_budget=16,
+                                structural_only_budget=64, grad_samples=64, n_latency=10, latency_claim=False,
+                                seeds=(0,)),
+    "full": AgentVocabSettings(seeds=(0, 1, 2)),
+}
+
+
+def _roundtrip_failures(tok: Any, texts: list[str]) -> int:
+    enc = tok(texts, add_special_tokens=False, verbose=False)["input_ids"]
+    return sum(tok.decode(ids, clean_up_tokenization_spaces=False) != t for ids, t in zip(enc, texts))
+
+
+class AgentVocabReproduction(Reproduction[AgentVocabSettings, dict]):
+    id = ID
+    claim = CLAIM
+    settings = SETTINGS
+    threads = 1
+
+    def _vocab(self, s: AgentVocabSettings) -> dict[str, Any]:
+        """Seed-independent: stage 1, data, mining, the tokenizers and their wiring checks (once per run)."""
+        if getattr(self, "_v", None) is not None:
+            return self._v
+        from rankwise.repro.kit.agentvocab_models import stage1
+        from rankwise.zoo.agent_traces import agent_traces
+
+        model, tok0, info = stage1(s.stage1)
+        train, _ = render_corpus(agent_traces(s.n_train, 0))
+        test, _ = render_corpus(agent_traces(s.n_test, 1))
+        cfg = AgentVocabConfig(structural_budget=s.structural_budget, content_budget=s.content_budget,
+                               min_freq=s.min_freq, grad_samples=s.grad_samples)
+        av = AgentVocab(tok0, cfg)
+        cands = av.mine(train, grad_model=model if s.grad_samples else None)
+        texts = [r.text for r in train]
+        mixed = av.select_reachable(cands, train)
+        struct = av.select_reachable(cands, train, structural_budget=s.structural_only_budget, content_budget=0)
+        tok_av, _ = av.expand(None, mixed)
+        tok_st, _ = av.expand(None, struct)
+        tok_cb, cb_tokens = continued_bpe(tok0, texts, len(mixed))
+        # wiring: every selected token is emitted on the train corpus; the corpus never grows
+        emitted = set(i for ids in tok_av(texts, add_special_tokens=False, verbose=False)["input_ids"] for i in ids)
+        unreached = sum(i not in emitted for i in range(len(tok0), len(tok_av)))
+        growth = max(0, sum(token_counts(tok_av, texts)) - sum(token_counts(tok0, texts)))
+        all_texts = texts + [r.text for r in test]
+        rt = sum(_roundtrip_failures(t, all_texts) for t in (tok0, tok_av, tok_st))
+        self._v = {
+            "model": model, "tok0": tok0, "tok_av": tok_av, "train": train, "test": test, "mixed": mixed,
+            "stage1": info, "av": av,
+            "reports": {k: compression_report(test, tok0, t).as_dict()
+                        for k, t in (("agentvocab", tok_av), ("structural", tok_st), ("cbpe", tok_cb))},
+            "n_structural": sum(c.stream == "structural" for c in mixed), "n_content": sum(c.stream == "content" for c in mixed),
+            "n_candidates": {k: len(v) for k, v in cands.items()}, "n_cbpe": len(cb_tokens),
+            "unreached": unreached, "growth": growth, "roundtrip_failures": rt,
+            "examples": [c.text for c in mixed[:12]],
+        }
+        return self._v
+
+    def _evaluate(self, model: Any, tok: Any, s: AgentVocabSettings, test: list[Any]) -> dict[str, Any]:
+        stop = tok.convert_tokens_to_ids("</tool_call>")
+        prompts = [r.prompt for r in test]
+        dec = generate_calls(model, tok, prompts, stop_id=stop, max_new_tokens=s.max_new_tokens)
+        correct = [float(exact_match(parse_call(d.text), r.call)) for d, r in zip(dec, test)]
+        lat = []
+        timed_call(model, tok, prompts[0], stop_id=stop, max_new_tokens=s.max_new_tokens)  # warm-up
+        for p in prompts[:s.n_latency]:
+            lat.append(statistics.median(timed_call(model, tok, p, stop_id=stop, max_new_tokens=s.max_new_tokens)[1]
+                                         for _ in range(s.latency_repeats)))
+        return {"correct": correct, "out": [len(d.ids) for d in dec], "prompt": token_counts(tok, prompts),
+                "gold": token_counts(tok, [call_text(r.call) for r in test]), "latency": lat}
+
+    def measure(self, s: AgentVocabSettings, seed: int) -> dict[str, Any]:
+        v = self._vocab(s)
+        rec: dict[str, Any] = {"arms": {}}
+        for arm in ARMS:
+            model = copy.deepcopy(v["model"])
+            tok = v["tok0"]
+            if arm == "agentvocab":
+                tok, _ = v["av"].expand(model, v["mixed"])
+                if "mean_init_error" not in v:  # wiring: rows equal their subtoken means before training
+                    subs = subtoken_ids(v["tok0"], [c.text for c in v["mixed"]])
+                    w, h = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+                    w0, h0 = v["model"].get_input_embeddings().weight, v["model"].get_output_embeddings().weight
+                    err = 0.0
+                    for j, ids in enumerate(subs):
+                        i = len(v["tok0"]) + j
+                        err = max(err, float((w[i] - w0[ids].mean(0)).detach().abs().max()),
+                                  float((h[i] - h0[ids].mean(0)).detach().abs().max()))
+                    v["mean_init_error"] = err
+            losses = sft_train(model, tok, v["train"], steps=s.steps, lr=s.lr, batch_size=s.batch_size,
+                               max_length=s.max_length, seed=seed)
+            ev = self._evaluate(model, tok, s, v["test"])
+            ev["final_loss"] = statistics.fmean(losses[-20:])
+            rec["arms"][arm] = ev
+        for k in ("reports", "n_structural", "n_content", "n_candidates", "n_cbpe", "unreached", "growth",
+                  "roundtrip_failures", "examples"):
+            rec[k] = v[k]
+        rec["mean_init_error"] = v.get("mean_init_error", 0.0)
+        rec["stage1"] = {k: v["stage1"][k] for k in ("final_loss", "steps", "n_train")}
+        return rec
+
+    def table(self, s: AgentVocabSettings, records: Records[dict]) -> Table:
+        t = Table(columns=["exact match", "output tokens/call", "prompt tokens", "gold call tokens",
+                           "median latency (ms)", "final loss"],
+                  notes={"output tokens/call": "generated tokens up to and including </tool_call>",
+                         "gold call tokens": "tokens of the reference call block under the arm's tokenizer"})
+        for r in records:
+            for arm in ARMS:
+                a = r["arms"][arm]
+                t.add(ROW[arm], "exact match", statistics.fmean(a["correct"]))
+                t.add(ROW[arm], "output tokens/call", statistics.fmean(a["out"]))
+                t.add(ROW[arm], "prompt tokens", statistics.fmean(a["prompt"]))
+                t.add(ROW[arm], "gold call tokens", statistics.fmean(a["gold"]))
+                t.add(ROW[arm], "median latency (ms)", 1e3 * statistics.median(a["latency"]))
+                t.add(ROW[arm], "final loss", a["final_loss"])
+            for k in ("structural", "cbpe"):
+                rep = r["reports"][k]
+                t.add(ROW[k], "prompt tokens", rep["prompt_after"])
+                t.add(ROW[k], "gold call tokens", rep["call_after"])
+        self._t = t
+        return t
+
+    @staticmethod
+    def _per_call(records: Records[dict], key: str) -> list[list[float]]:
+        return [[1.0 - b / a for a, b in zip(r["arms"]["vanilla"][key], r["arms"]["agentvocab"][key])] for r in records]
+
+    def preconditions(self, s: AgentVocabSettings, records: Records[dict]) -> list[Precondition]:
+        return [Precondition("vanilla learned tool calling: exact match", self._t.mean(ROW["vanilla"], "exact match"),
+                             ">=", MIN_VANILLA_EM)]
+
+    def checks(self, s: AgentVocabSettings, records: Records[dict]) -> list[ClaimCheck]:
+        out = self._per_call(records, "out")
+        em = [[b - a for a, b in zip(r["arms"]["vanilla"]["correct"], r["arms"]["agentvocab"]["correct"])]
+              for r in records]
+        lat = statistics.fmean(1.0 - statistics.median(r["arms"]["agentvocab"]["latency"])
+                               / statistics.median(r["arms"]["vanilla"]["latency"]) for r in records)
+        mixed = statistics.fmean(r["reports"]["agentvocab"]["call_reduction"] for r in records)
+        struct = statistics.fmean(r["reports"]["structural"]["call_reduction"] for r in records)
+        mean = lambda xs: statistics.fmean(statistics.fmean(x) for x in xs)  # noqa: E731
+        checks = [
+            ClaimCheck("(1) output tokens per call: mean reduction AgentVocab vs vanilla", mean(out), ">=",
+                       MIN_OUT_REDUCTION, samples=out),
+            ClaimCheck("(2) median latency per call: reduction AgentVocab vs vanilla (batch 1, KV cache)", lat, ">=",
+                       MIN_LAT_REDUCTION),
+            ClaimCheck("(3) exact match AgentVocab - vanilla", mean(em), ">=", EM_TOLERANCE, samples=em),
+            ClaimCheck("(4) structural-only / mixed reduction of gold-call tokens", struct / mixed if mixed > 0 else 0.0,
+                       ">=", MIN_STRUCT_SHARE),
+            ClaimCheck("decode(encode(s)) != s over every rendered trajectory and tokenizer: count",
+                       float(records.first["roundtrip_failures"]), "<=", 0.0, kind="wiring"),
+            ClaimCheck("new rows - mean of their subtoken rows before training: max |difference|",
+                       float(records.first["mean_init_error"]), "<=", 0.0, kind="wiring"),
+            ClaimCheck("selected tokens never emitted on the train corpus: count", float(records.first["unreached"]),
+                       "<=", 0.0, kind="wiring"),
+            ClaimCheck("train-corpus tokens added by the expansion", float(records.first["growth"]), "<=", 0.0,
+                       kind="wiring"),
+        ]
+        if not s.latency_claim:
+            checks.pop(1)
+        return checks
+
+    def extra(self, s: AgentVocabSettings, records: Records[dict]) -> dict[str, Any]:
+        r = records.first
+        lat = {arm: [1e3 * statistics.median(x["arms"][arm]["latency"]) for x in records] for arm in ARMS}
+        return {"compression_reports": r["reports"], "candidates": r["n_candidates"], "selected_examples": r["examples"],
+                "median_latency_ms": lat, "stage1": r["stage1"]}
+
+    def figures(self, s: AgentVocabSettings, records: Records[dict], out_dir: Path) -> list[str]:
+        plt = pyplot()
+        fig, axes = plt.subplots(1, 2, figsize=(9, 3.2))
+        rows = [ROW[a] for a in ARMS]
+        for ax, col in zip(axes, ("output tokens/call", "exact match")):
+            ax.bar(range(len(rows)), [self._t.mean(r, col) for r in rows], color=["#999", "#2a7"])
+            ax.set_xticks(range(len(rows)), ["vanilla", "AgentVocab"])
+            ax.set_title(col, fontsize=10)
+        fig.tight_layout()
+        return [save_figure(fig, out_dir / "agentvocab.png")]
+
+    def notes(self, s: AgentVocabSettings, records: Records[dict]) -> str:
+        r = records.first
+        rep = r["reports"]
+        lat = {k: ", ".join(f"{x:.0f}" for x in v) for k, v in self.extra(s, records)["median_latency_ms"].items()}
+        return (f"Vocabulary: {r['n_structural']} structural + {r['n_content']} content tokens from "
+                f"{r['n_candidates']['structural']} structural / {r['n_candidates']['content']} content candidates "
+                f"(stage-1 model: final loss {r['stage1']['final_loss']:.3f}). On the test trajectories the mixed "
+                f"vocabulary removes {100 * rep['agentvocab']['prompt_reduction']:.1f} % of prompt tokens and "
+                f"{100 * rep['agentvocab']['call_reduction']:.1f} % of gold-call tokens; structural-only "
+                f"({s.structural_only_budget} tokens) {100 * rep['structural']['call_reduction']:.1f} %; continued BPE "
+                f"with the same budget {100 * rep['cbpe']['call_reduction']:.1f} % of call tokens and "
+                f"{100 * rep['cbpe']['prompt_reduction']:.1f} % of prompt tokens. Median batch-1 latency (ms) vanilla "
+                f"{lat['vanilla']} vs AgentVocab {lat['agentvocab']} on a CPU shared with other jobs: latency is "
+                "expected to hold only qualitatively. The structural-only and continued-BPE rows are tokenizer-only "
+                "(not trained).")
+
+
+REPRODUCTION = AgentVocabReproduction
+run = AgentVocabReproduction.run
