@@ -112,7 +112,10 @@ def test_method_modules_register_their_own_ids() -> None:
 def test_register_and_status(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(registry, "_ENTRIES", {})
     monkeypatch.setattr(registry, "_DISCOVERED", True)
-    id = next(i for i in registry.PAPERS if not registry.has_reproduction(i))
+    # since santa every paper is registered and reproduced: pretend none is
+    monkeypatch.setattr(registry, "has_reproduction", lambda i: False)
+    monkeypatch.setattr(registry, "registered_ids", lambda: {})
+    id = next(iter(registry.PAPERS))
     assert registry.status(id) == "planned"
     with pytest.raises(UnknownMethodError, match="planned"):
         registry.get(id)

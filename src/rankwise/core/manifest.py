@@ -39,6 +39,7 @@ REGISTERED: dict[str, str] = {
     'saes_svd': 'rankwise.compress.saes_svd',
     'safety_one_shot': 'rankwise.train.safety_one_shot',
     'sambal': 'rankwise.science.sambal.relex',
+    'santa': 'rankwise.infer.santa',
     'star_kv': 'rankwise.compress.star_kv',
     'stiefel_cl': 'rankwise.adapt.stiefel_cl.model',
     'swift_svd': 'rankwise.compress.swift_svd',
