@@ -216,6 +216,14 @@ def test_zoo_build_calls_the_zoo(runner: CliRunner, monkeypatch: pytest.MonkeyPa
     calls.clear()
     res = invoke(runner, "zoo", "build", "--size", "smoke")
     assert res.exit_code == 0 and calls == [(False, "smoke"), ("artefacts", False, "smoke")], res.output
+    # a size only the reproductions' builders know (full modes' own models) skips the zoo's part
+    monkeypatch.setattr(artefacts, "sizes", lambda: ("full", "small", "smoke"))
+    calls.clear()
+    res = invoke(runner, "zoo", "build", "--size", "full")
+    assert res.exit_code == 0 and calls == [("artefacts", False, "full")], res.output
+    calls.clear()
+    res = invoke(runner, "zoo", "build", "--size", "huge")
+    assert res.exit_code != 0 and calls == [] and "huge" in res.output
 
 
 def test_artefact_builders_follow_the_size(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -236,6 +244,10 @@ def test_artefact_builders_follow_the_size(monkeypatch: pytest.MonkeyPatch) -> N
     calls.clear()
     assert artefacts.build_all() == {"a": "small", "b": "ok"} and calls == [("sized", "small"), ("plain",)]
     assert artefacts.build_all(size="large") == {}
+    # SIZES, when a builder has it, lists what it builds (e.g. a size that reuses another's first stage)
+    sized.SIZES = ("small", "full")
+    calls.clear()
+    assert artefacts.build_all(size="full") == {"a": "full"} and artefacts.sizes() == ("full", "small")
     with pytest.raises(ValueError, match="unknown artefact builders"):
         artefacts.build_all(only=("nope",))
 

@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ARM_RECIPES", "ARMS", "ArmsRecipe", "BUILD_SETS", "RECIPES", "Stage1Recipe", "arm_path", "build",
+__all__ = ["ARM_RECIPES", "ARMS", "ArmsRecipe", "BUILD_SETS", "RECIPES", "SIZES", "Stage1Recipe", "arm_path", "build",
            "mined_vocab", "stage1", "stage1_path", "trained_arm", "trained_arms", "vocab_path"]
 
 _INFO = "agentvocab_stage1.json"
@@ -159,8 +159,13 @@ ARM_RECIPES: dict[str, ArmsRecipe] = {
 #: what ``rankwise zoo build --size S`` builds: the stage-1 recipe of that size, then these (arm recipe, seeds)
 BUILD_SETS: dict[str, tuple[tuple[str, tuple[int, ...]], ...]] = {
     "smoke": (("smoke", (0,)),),
-    "small": (("quick", (0,)), ("full", (0, 1, 2))),
+    "small": (("quick", (0,)),),
+    # full mode's arms (about 75 CPU minutes cold): `rankwise zoo build --size full`, or built on the first --full run
+    "full": (("full", (0, 1, 2)),),
 }
+
+#: the ``--size`` values :func:`build` accepts (``full`` uses the ``small`` stage-1 checkpoint)
+SIZES: tuple[str, ...] = ("smoke", "small", "full")
 
 
 def _digest(recipe: ArmsRecipe) -> str:
@@ -308,9 +313,10 @@ def trained_arms(recipe: ArmsRecipe, seed: int) -> dict[str, Any]:
 def build(force: bool = False, size: str = "small") -> dict[str, Any]:
     """Build (or check) the stage-1 checkpoint of ``size`` and the arm recipes of ``BUILD_SETS[size]``;
     what ``rankwise zoo build`` calls. Returns ``{"stage1": info, "arms-<recipe>-s<seed>": {...}}``."""
-    path = stage1_path(size)
+    stage = "small" if size == "full" else size
+    path = stage1_path(stage)
     if force or not (path / _INFO).is_file():
-        out: dict[str, Any] = {"stage1": _build(size, path)}
+        out: dict[str, Any] = {"stage1": _build(stage, path)}
     else:
         out = {"stage1": json.loads((path / _INFO).read_text())}
     for name, seeds in BUILD_SETS.get(size, ()):

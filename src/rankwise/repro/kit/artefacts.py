@@ -11,7 +11,7 @@ import importlib
 import inspect
 from typing import Any
 
-__all__ = ["BUILDERS", "build_all"]
+__all__ = ["BUILDERS", "build_all", "sizes"]
 
 BUILDERS: dict[str, str] = {
     "priorguide": "rankwise.repro.kit.score_models:build",
@@ -24,11 +24,26 @@ BUILDERS: dict[str, str] = {
 }
 
 
+def _sizes_of(module: Any) -> tuple[str, ...]:
+    return tuple(getattr(module, "SIZES", getattr(module, "RECIPES", ())))
+
+
+def sizes() -> tuple[str, ...]:
+    """Every ``--size`` some builder knows (``small`` always: builders without sizes build for it)."""
+    out = {"small"}
+    for target in BUILDERS.values():
+        mod, fn = target.split(":")
+        module = importlib.import_module(mod)
+        if "size" in inspect.signature(getattr(module, fn)).parameters:
+            out.update(_sizes_of(module))
+    return tuple(sorted(out))
+
+
 def build_all(force: bool = False, only: tuple[str, ...] | None = None, size: str = "small") -> dict[str, Any]:
     """Run every builder (or those named in ``only``); returns ``{name: record}``.
 
-    ``size`` (``rankwise zoo build --size``): a builder with a ``size`` parameter and a ``RECIPES``
-    table builds that size when it has a recipe of that name; a builder without sizes builds only for
+    ``size`` (``rankwise zoo build --size``): a builder with a ``size`` parameter and a ``SIZES`` tuple
+    (or else a ``RECIPES`` table) builds that size when it lists it; a builder without sizes builds only for
     the default size ``"small"``."""
     unknown = [n for n in (only or ()) if n not in BUILDERS]
     if unknown:
@@ -41,7 +56,7 @@ def build_all(force: bool = False, only: tuple[str, ...] | None = None, size: st
         module = importlib.import_module(mod)
         builder = getattr(module, fn)
         if "size" in inspect.signature(builder).parameters:
-            if size in getattr(module, "RECIPES", {}):
+            if size in _sizes_of(module):
                 out[name] = builder(force=force, size=size)
         elif size == "small":
             out[name] = builder(force=force)
