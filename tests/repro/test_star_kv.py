@@ -12,8 +12,11 @@ from rankwise.repro import star_kv
 def test_modes_run_the_claims_regime() -> None:
     q, f = star_kv.SETTINGS["quick"], star_kv.SETTINGS["full"]
     assert (q.target_compression, q.steps, q.seeds, q.claim_ratio) == (0.5, 60, (0,), 1.0)  # the spec's quick
-    assert (f.target_compression, f.steps, f.seeds, f.claim_ratio) == (0.6, 300, (0, 1, 2), 0.8)  # the spec's full
-    assert f.model == q.model == "gqa" and f.n_train == 400 and f.n_eval == 200
+    assert (f.target_compression, f.seeds, f.claim_ratio) == (0.6, (0, 1, 2), 0.8)  # the spec's full
+    # KD budget and evaluation cut to fit 10 minutes (docs/methods/star_kv.md: the spec's 300 + 20 steps at
+    # batch 8 on 200 windows was 20-25 CPU minutes)
+    assert (f.steps, f.phase3_steps, f.batch_size, f.n_eval) == (150, 20, 4, 100)
+    assert f.model == q.model == "gqa" and f.n_train == 400
     assert set(f.presses) == set(star_kv.PRESSES)
 
 
