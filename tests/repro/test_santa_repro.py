@@ -19,9 +19,7 @@ def test_modes_are_sized_as_the_spec_says() -> None:
     assert q.sizes == (512,) and q.samples == (64,) and q.repeats == 500 and q.seeds == (0, 1) and q.model is None and q.instances == 4
     assert f.sizes == (512, 4096) and f.samples == (16, 64, 256) and f.repeats == 2000 and f.claim_n == 4096 and f.instances == 4
     assert f.seeds == (0, 1, 2, 3, 4) and f.model == "gqa" and f.model_samples == 64 and f.window == 1024
-    # the model test is cut to fit full mode's 10 minutes (docs/methods/santa.md): 3 of the 5 seeds,
-    # 128 estimated positions per window, 10 prompts x 32 tokens
-    assert f.model_seeds == 3 and f.tail == 128 and f.n_prompts == 10 and f.new_tokens == 32
+    assert f.model_seeds == 5 and f.tail == 256 and f.n_prompts == 20 and f.new_tokens == 64
     assert rs.SETTINGS["smoke"].model == "gqa-smoke"
     assert (rs.SYS_RATIO, rs.STRAT_RATIO, rs.BIAS_SIGMAS, rs.PPL_FACTOR) == (0.8, 0.85, 4.0, 1.05)
 
