@@ -270,6 +270,7 @@ def test_build_report_has_every_paper_and_is_self_contained(repro_cache: Path, t
     by_id = {p["id"]: p for p in summary["papers"]}
     assert len(by_id) == len(registry.PAPERS) + len(registry.REFERENCES)
     assert by_id["lora"]["outcome"] == "holds" and by_id["lora"]["figures"] == ["lora/curve.png"]
+    assert "cpu_time_s" in by_id["lora"] and isinstance(by_id["lora"]["environment"], dict)  # the measured table
     assert by_id["swift_svd"]["outcome"] == "error" and "boom" in by_id["swift_svd"]["error"]
     assert summary["counts"]["holds"] == 1 and summary["counts"]["error"] == 1
     for id, p in by_id.items():

@@ -38,6 +38,7 @@ corpus never gets more tokens. Precondition: vanilla learned tool calling (exact
 from __future__ import annotations
 
 import dataclasses
+import os
 import statistics
 import time
 from pathlib import Path
@@ -295,9 +296,20 @@ class AgentVocabReproduction(Reproduction[AgentVocabSettings, dict]):
                 f"({s.structural_only_budget} tokens) {100 * rep['structural']['call_reduction']:.1f} %; continued BPE "
                 f"with the same budget {100 * rep['cbpe']['call_reduction']:.1f} % of call tokens and "
                 f"{100 * rep['cbpe']['prompt_reduction']:.1f} % of prompt tokens. Median batch-1 latency (ms) vanilla "
-                f"{lat['vanilla']} vs AgentVocab {lat['agentvocab']} on a CPU shared with other jobs: latency is "
-                "expected to hold only qualitatively. The structural-only and continued-BPE rows are tokenizer-only "
-                "(not trained).")
+                f"{lat['vanilla']} vs AgentVocab {lat['agentvocab']} ({_load_note()}). The structural-only and "
+                "continued-BPE rows are tokenizer-only (not trained).")
+
+
+def _load_note() -> str:
+    """The machine state the wall-clock latencies were timed in: a CPU with more runnable jobs than cores
+    stretches both arms' times unevenly, so the latency comparison is then only qualitative."""
+    cpus = os.cpu_count() or 1
+    if not hasattr(os, "getloadavg"):
+        return f"{cpus} CPUs, load unknown"
+    load = os.getloadavg()[0]
+    busy = load > cpus
+    return (f"load average {load:.1f} on {cpus} CPUs"
+            + (": more runnable jobs than cores, so latency holds only qualitatively" if busy else ""))
 
 
 REPRODUCTION = AgentVocabReproduction

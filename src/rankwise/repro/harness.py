@@ -429,6 +429,7 @@ def reproduce(
                 return hit
 
     log.info("%s: running %s (%s, seeds %s, overrides %s) into %s", key, mod.__name__, mode, seeds, norm, out)
+    load0 = [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
     t0, c0 = time.perf_counter(), time.process_time()
     with _spinner(progress, f"reproducing {key} ({mode}, seeds {', '.join(map(str, seeds))})"):
         result = run(mode, list(seeds), out)
@@ -445,6 +446,8 @@ def reproduce(
         result.cpu_time_s = cpu
     if not result.environment:
         result.environment = environment(seeds)
+    if load0 is not None:  # with "loadavg" at the end: was the machine idle while this ran?
+        result.environment.setdefault("loadavg_start", load0)
     result.save(out)
     result.cache_hit = False
     if entry is not None and code is not None:

@@ -273,6 +273,10 @@ def _result_section(id: str, result: ReproResult, missing: list[str]) -> str:
     return "\n".join(parts)
 
 
+#: what summary.json keeps of a result's environment: enough to tell whether its times came from an idle machine
+_RUN_FACTS = ("threads", "cpus", "loadavg_start", "loadavg", "time", "torch", "transformers")
+
+
 def build_report(
     results: Mapping[str, ReproResult | BaseException | None],
     out_dir: Path | str,
@@ -310,6 +314,8 @@ def build_report(
                        checks=[_check_summary(c) for c in value.checks],
                        preconditions=[p.to_json() for p in value.preconditions], overrides=value.overrides,
                        mode=value.mode, seeds=list(value.seeds), wall_time_s=value.wall_time_s,
+                       cpu_time_s=value.cpu_time_s,
+                       environment={k: value.environment[k] for k in _RUN_FACTS if k in value.environment},
                        cache_hit=value.cache_hit, result_json=f"{id}/result.json",
                        figures=[f"{id}/{f}" for f in value.figures], missing_figures=missing)
             margin, wall = _signed(value.margin), f"{value.wall_time_s:.1f} s"

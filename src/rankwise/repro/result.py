@@ -448,8 +448,10 @@ def environment(seeds: Sequence[int] | None = None) -> dict[str, Any]:
     env: dict[str, Any] = {
         "python": platform.python_version(), "platform": platform.platform(),
         "torch": torch.__version__, "numpy": numpy.__version__,
-        "threads": torch.get_num_threads(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "threads": torch.get_num_threads(), "cpus": os.cpu_count(), "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
+    if hasattr(os, "getloadavg"):  # the 1, 5 and 15-minute load averages when the run ended (POSIX)
+        env["loadavg"] = [round(x, 2) for x in os.getloadavg()]
     # Installed versions from the package metadata: importing flwr or transformers only to read a
     # version would cost seconds.
     from importlib import metadata
