@@ -125,3 +125,33 @@ def test_text_task_labels() -> None:
     assert text_task_labels("kind") == ["class", "function", "method"]
     with pytest.raises(UnknownTaskError):
         text_task_labels("knd")
+
+
+def test_sweep_val_accuracy_scores_every_row_at_every_rate() -> None:
+    from types import SimpleNamespace
+
+    import torch
+    from torch import nn
+
+    from rankwise.repro.kit.cached_encoder import sweep_val_accuracy
+
+    class Sign(nn.Module):  # class 1 iff the first hidden feature of the first token is positive (times lr's sign)
+        def __init__(self, s: float) -> None:
+            super().__init__()
+            self.s = s
+
+        def forward(self, h: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+            x = self.s * h[:, 0, 0]
+            return torch.stack([-x, x], dim=1)
+
+    h = torch.randn(10, 3, 2)
+    val = SimpleNamespace(hidden=h, mask=torch.ones(10, 3), labels=(h[:, 0, 0] > 0).long())
+    calls: list[float] = []
+
+    def fit(lr: float) -> dict[str, nn.Module]:
+        calls.append(lr)
+        return {"right": Sign(1.0), "wrong": Sign(-1.0)}
+
+    out = sweep_val_accuracy((1e-3, 1e-2), fit, val)
+    assert calls == [1e-3, 1e-2]
+    assert out == {"right": {1e-3: 1.0, 1e-2: 1.0}, "wrong": {1e-3: 0.0, 1e-2: 0.0}}

@@ -83,6 +83,7 @@ from rankwise.repro.kit.cached_encoder import (
     evaluate_cached,
     median_step_ms,
     peft_inject,
+    sweep_val_accuracy,
     train_lockstep,
     trainable_adapter_params,
 )
@@ -443,13 +444,13 @@ def lr_sweep(grid: Sequence[float] = (3e-4, 1e-3, 3e-3, 1e-2), seed: int = 100, 
     train, val = pool[: len(pool) - n_val], pool[len(pool) - n_val:]
     base, prefix, _, batches, _, G, names = _setup(seed, S, bert, tok, train)
     val_split = CachedSplit(prefix, val, keep_all=True)
-    out: dict[str, dict[float, float]] = {}
-    for lr in grid:
+
+    def fit(lr: float) -> dict[str, Any]:
         models, _ = _build_models(base, G, names, _target_shape(base, names, S), seed, S)
         train_lockstep(models, batches, seed, _lrs(S, list(models), LR_HEAD, lr))
-        for row, model in models.items():
-            out.setdefault(row, {})[lr] = evaluate_cached(model, val_split.hidden, val_split.mask, val_split.labels)[0]
-    return out
+        return models
+
+    return sweep_val_accuracy(grid, fit, val_split)
 
 
 class CdkaReproduction(MiniLMReproduction):

@@ -73,6 +73,7 @@ from rankwise.repro.kit.cached_encoder import (
     evaluate_cached,
     median_step_ms,
     peft_inject,
+    sweep_val_accuracy,
     trainable_adapter_params,
 )
 from rankwise.repro.result import ClaimCheck, Precondition, Table
@@ -400,14 +401,14 @@ def lr_sweep(grid: Sequence[float] = (1e-3, 3e-3, 1e-2), seed: int = 100, mode: 
     train, val = pool[: len(pool) - n_val], pool[len(pool) - n_val:]
     base, prefix, batches, analysis = _setup(seed, S, bert, tok, train)
     val_split = CachedSplit(prefix, val, keep_all=True)
-    out: dict[str, dict[float, float]] = {}
-    for lr in grid:
+
+    def fit(lr: float) -> dict[str, Any]:
         models, info = _build(base, analysis, S, seed, _budget(S))
         _train(models, info["hooks"], batches, analysis, seed, {r: lr for r in models}, len(batches),
                S.lr_head if lr_head is None else lr_head)
-        for row, model in models.items():
-            out.setdefault(row, {})[lr] = evaluate_cached(model, val_split.hidden, val_split.mask, val_split.labels)[0]
-    return out
+        return models
+
+    return sweep_val_accuracy(grid, fit, val_split)
 
 
 class DafReproduction(MiniLMReproduction):

@@ -69,6 +69,7 @@ from rankwise.repro.kit.cached_encoder import (
     fit_probe_head,
     median_step_ms,
     peft_inject,
+    sweep_val_accuracy,
     trainable_adapter_params,
     train_lockstep,
 )
@@ -338,13 +339,13 @@ def lr_sweep(grid: Sequence[float] = (3e-4, 1e-3, 3e-3, 1e-2), seed: int = 100, 
     train, val = pool[: len(pool) - n_val], pool[len(pool) - n_val:]
     base, prefix, batches, calib = _setup(seed, S, bert, tok, train)
     va = CachedSplit(prefix, val, keep_all=True)
-    out: dict[str, dict[float, float]] = {}
-    for lr in grid:
+
+    def fit(lr: float) -> dict[str, Any]:
         models, _ = _build_models(base, calib, S, seed, S.rows)
         train_lockstep(models, batches, seed, {n: (lr, LR_HEAD) for n in models})
-        for row, model in models.items():
-            out.setdefault(row, {})[lr] = evaluate_cached(model, va.hidden, va.mask, va.labels)[0]
-    return out
+        return models
+
+    return sweep_val_accuracy(grid, fit, va)
 
 
 class E2LoraReproduction(MiniLMReproduction):

@@ -78,6 +78,7 @@ from rankwise.repro.kit.cached_encoder import (
     evaluate_cached,
     median_step_ms,
     peft_inject,
+    sweep_val_accuracy,
     pooled_cached,
     trainable_adapter_params,
     train_lockstep,
@@ -453,17 +454,17 @@ def lr_sweep(grid: Sequence[float] = (3e-4, 1e-3, 3e-3, 1e-2), seed: int = 100, 
     batches = CachedSplit(prefix, train, [idx]).batches(idx)
     va = CachedSplit(prefix, val, keep_all=True)
     base = TopModel(bert, S.top_layers, len(LABELS), seed)
-    out: dict[str, dict[float, float]] = {}
-    for lr in grid:
+
+    def fit(lr: float) -> dict[str, Any]:
         models = _build_models(base, S, rows)
         if rows is not None:
             models = {k: v for k, v in models.items() if k in rows}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             train_lockstep(models, batches, seed, {n: (lr, lr if n == "head only" else LR_HEAD) for n in models})
-        for row, model in models.items():
-            out.setdefault(row, {})[lr] = evaluate_cached(model, va.hidden, va.mask, va.labels)[0]
-    return out
+        return models
+
+    return sweep_val_accuracy(grid, fit, va)
 
 
 class PsoftReproduction(MiniLMReproduction):

@@ -21,7 +21,7 @@ from rankwise.train.finetune import Batch, FinetuneConfig, Trainer, lockstep
 
 __all__ = ["CachedSplit", "FrozenPrefix", "TopModel", "adapter_optimizer", "batch_indices", "cached_batches",
            "evaluate_cached", "median_step_ms", "peft_inject", "pooled_cached", "train_lockstep",
-           "trainable_adapter_params", "trim_padding"]
+           "trainable_adapter_params", "trim_padding", "sweep_val_accuracy"]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -149,6 +149,18 @@ def evaluate_cached(model: nn.Module, hidden: torch.Tensor, mask: torch.Tensor, 
     finally:
         model.train(was)
     return float((logits.argmax(-1) == labels).double().mean()), logits
+
+
+def sweep_val_accuracy(grid: Sequence[float], fit: Callable[[float], dict[str, nn.Module]],
+                       val: "CachedSplit") -> dict[str, dict[float, float]]:
+    """``{row: {lr: validation accuracy}}``: for each rate of ``grid``, ``fit(lr)`` builds and trains the rows
+    (same budget each) and every returned model is scored on the cached validation split. The reproductions'
+    ``lr_sweep`` functions choose their rates with it, once, before the reported runs."""
+    out: dict[str, dict[float, float]] = {}
+    for lr in grid:
+        for row, model in fit(lr).items():
+            out.setdefault(row, {})[lr] = evaluate_cached(model, val.hidden, val.mask, val.labels)[0]
+    return out
 
 
 @torch.no_grad()
