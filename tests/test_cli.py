@@ -192,6 +192,8 @@ def test_report_only_unknown_or_planned(runner: CliRunner, tmp_path: Path) -> No
     assert res.exit_code == 2 and "unknown method id" in res.stderr
     res = invoke(runner, "report", "--only", _planned_id(), "--out", str(tmp_path / "r"))
     assert res.exit_code == 2 and "no reproduction yet" in res.stderr
+    res = invoke(runner, "report", "--jobs", "0", "--out", str(tmp_path / "r"))
+    assert res.exit_code == 2 and "--jobs" in res.stderr and not (tmp_path / "r").exists()
 
 
 # --------------------------------------------------------------------------------------------------

@@ -334,3 +334,27 @@ def test_run_report_validates_before_running(repro_cache: Path, tmp_path: Path,
         with pytest.raises(ReproductionUnavailable):
             report.run_report(mode="smoke", only=["lora", planned[0]], out_dir=tmp_path / "r")
     assert not ok.CALLS
+
+
+def test_run_report_in_parallel_matches_one_at_a_time(repro_cache: Path, tmp_path: Path) -> None:
+    # two real, dependency-free reproductions (simulators), each in its own spawned worker
+    ids = ["mi_sprm", "root_purge"]
+    done: list[str] = []
+    par = report.run_report(mode="smoke", only=ids[::-1], out_dir=tmp_path / "par", use_cache=False, jobs=2,
+                            on_done=lambda i, r, s: done.append(i))
+    seq = report.run_report(mode="smoke", only=ids[::-1], out_dir=tmp_path / "seq", use_cache=False)
+    assert sorted(done) == ids and list(par.results) == ids[::-1]  # the page keeps the asked order
+    for id in ids:
+        p, s = par.results[id], seq.results[id]
+        assert isinstance(p, ReproResult) and isinstance(s, ReproResult), (p, s)
+        assert p.verdict == s.verdict and [c.measured for c in p.checks] == [c.measured for c in s.checks]
+        assert p.environment["threads"] == max(1, (os.cpu_count() or 1) // 2)
+        assert (tmp_path / "par" / id / "result.json").is_file()
+    by_id = {r["id"]: r for r in par.summary["papers"]}
+    assert all(by_id[i]["verdict"] == seq.results[i].verdict for i in ids)
+
+
+def test_run_report_rejects_bad_jobs(tmp_path: Path) -> None:
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="jobs"):
+            report.run_report(mode="smoke", only=["root_purge"], out_dir=tmp_path / "r", jobs=bad)  # type: ignore[arg-type]

@@ -55,6 +55,7 @@ def run_report(
     use_cache: bool = True,
     progress: bool = False,
     on_done: Callable[[str, ReproResult | BaseException, float], None] | None = None,
+    jobs: int = 1,
 ) -> ReportRun:
     """Run the reproductions (all that exist, or ``only`` these ids) and build the report.
 
@@ -62,7 +63,16 @@ def run_report(
     so is ``out_dir``. A reproduction that raises becomes an "error" row; the others still run.
     Each reproduction writes into ``out_dir/<id>/``. ``on_done(id, result_or_error, seconds)`` is
     called as each one finishes (seconds of wall time in this run, near 0 for a cached result).
+
+    ``jobs > 1`` runs that many reproductions at once, each in its own process with
+    ``max(1, cpus // jobs)`` torch threads (see :func:`_worker_init`); the results and the page are the
+    same as one at a time. Models that a reproduction builds on first use are best built before
+    (``rankwise zoo build``): two processes needing the same missing artefact would both build it. The
+    workers are spawned, so a script calling this with ``jobs > 1`` needs the ``if __name__ == "__main__":``
+    guard.
     """
+    if not isinstance(jobs, int) or isinstance(jobs, bool) or jobs < 1:
+        raise ValueError(f"jobs must be an int >= 1, got {jobs!r}")
     mode = harness.validate_mode(mode)
     seed_list = harness.resolve_seeds(mode, seeds) if seeds is not None else None
     if only:
@@ -86,27 +96,92 @@ def run_report(
                        TimeElapsedColumn(), console=Console(stderr=True), transient=True)
         bar.start()
         task = bar.add_task("report", total=len(ids))
+    def finished(id: str, value: ReproResult | BaseException, seconds: float) -> None:
+        results[id] = value
+        if on_done is not None:
+            on_done(id, value, seconds)
+        if bar is not None:
+            bar.advance(task)
+
     try:
-        for id in ids:
-            if bar is not None:
-                bar.update(task, description=f"{id} ({mode})")
-            t0 = time.perf_counter()
-            try:
-                results[id] = harness.reproduce(id, mode=mode, seeds=seed_list, out_dir=out / id,
-                                                use_cache=use_cache)
-            except Exception as e:  # one broken reproduction must not sink the report
-                log.warning("reproduction %s failed: %s: %s", id, type(e).__name__, e)
-                results[id] = e
-            if on_done is not None:
-                on_done(id, results[id], time.perf_counter() - t0)
-            if bar is not None:
-                bar.advance(task)
+        if jobs == 1 or len(ids) < 2:
+            for id in ids:
+                if bar is not None:
+                    bar.update(task, description=f"{id} ({mode})")
+                t0 = time.perf_counter()
+                finished(id, _reproduce_one(id, mode, seed_list, out / id, use_cache), time.perf_counter() - t0)
+        else:
+            _run_parallel(ids, jobs, mode, seed_list, out, use_cache, finished,
+                          (lambda text: bar.update(task, description=text)) if bar is not None else None)
     finally:
         if bar is not None:
             bar.stop()
+    results = {id: results[id] for id in ids if id in results}  # the page's order, not the finishing order
     index = build_report(results, out, mode=mode)
     summary = json.loads((out / "summary.json").read_text(encoding="utf-8"))
     return ReportRun(index=index, summary=summary, results=results)
+
+
+def _reproduce_one(id: str, mode: str, seeds: Sequence[int] | None, out: Path,
+                   use_cache: bool) -> ReproResult | BaseException:
+    try:
+        return harness.reproduce(id, mode=mode, seeds=seeds, out_dir=out, use_cache=use_cache)
+    except Exception as e:  # one broken reproduction must not sink the report
+        log.warning("reproduction %s failed: %s: %s", id, type(e).__name__, e)
+        return e
+
+
+def _worker_init(threads: int) -> None:
+    """Each worker process of ``jobs > 1`` gets its share of the cores (torch's pool would take them all)."""
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+def _portable(value: ReproResult | BaseException) -> ReproResult | BaseException:
+    """What a worker sends back: the result, or its exception if that pickles, else a RuntimeError with its text."""
+    import pickle
+
+    if isinstance(value, BaseException):
+        try:
+            pickle.dumps(value)
+        except Exception:
+            return RuntimeError(f"{type(value).__name__}: {value}")
+    return value
+
+
+def _worker_run(id: str, mode: str, seeds: Sequence[int] | None, out: Path, use_cache: bool
+                ) -> tuple[ReproResult | BaseException, float]:
+    t0 = time.perf_counter()
+    value = _reproduce_one(id, mode, seeds, out, use_cache)
+    return _portable(value), time.perf_counter() - t0
+
+
+def _run_parallel(ids: Sequence[str], jobs: int, mode: str, seeds: Sequence[int] | None, out: Path, use_cache: bool,
+                  finished: Callable[[str, ReproResult | BaseException, float], None],
+                  describe: Callable[[str], None] | None) -> None:
+    import multiprocessing
+    import os
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    workers = min(jobs, len(ids))
+    threads = max(1, (os.cpu_count() or 1) // workers)
+    # spawn: a fresh interpreter per worker (forking a process that holds torch's thread pool is unsafe)
+    with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn"),
+                             initializer=_worker_init, initargs=(threads,)) as pool:
+        futures = {pool.submit(_worker_run, id, mode, seeds, out / id, use_cache): id for id in ids}
+        if describe is not None:
+            describe(f"{len(ids)} reproductions ({mode}), {workers} at a time")
+        for fut in as_completed(futures):
+            id = futures[fut]
+            try:
+                value, seconds = fut.result()
+            except Exception as e:  # the worker itself died (killed, out of memory)
+                log.warning("reproduction %s: its worker failed: %s: %s", id, type(e).__name__, e)
+                value, seconds = RuntimeError(f"worker failed: {type(e).__name__}: {e}"), 0.0
+            if isinstance(value, ReproResult):
+                value.source_dir = out / id
+            finished(id, value, seconds)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -20,13 +20,11 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from rankwise.repro.result import atomic_write_text
+from rankwise.repro.result import BUDGET_S, atomic_write_text
 
 START = "<!-- measured:start -->"
 END = "<!-- measured:end -->"
 DEFAULT_DOC = Path(__file__).resolve().parents[3] / "docs" / "reproductions.md"
-#: the budgets of docs/reproductions.md ("Modes"), in seconds of one run
-BUDGET_S = {"smoke": 10.0, "quick": 60.0, "full": 600.0}
 _REASON_CHARS = 160
 
 

@@ -19,6 +19,9 @@ def report_cmd(
     out: Path = typer.Option(Path("report"), "--out", help="Output folder of index.html."),
     seeds: Optional[List[str]] = common.SEEDS,
     no_cache: bool = common.NO_CACHE,
+    jobs: int = typer.Option(1, "--jobs", "-j", min=1,
+                             help="Reproductions run at once, each in its own process with cores/jobs torch "
+                                  "threads (build the models first: rankwise zoo build)."),
 ) -> None:
     """Run every reproduction (cached) and write one HTML page with all of them."""
     from rich.markup import escape
@@ -33,7 +36,7 @@ def report_cmd(
     # reproduction, so that a long run shows where it is
     lines = not bar and not common.settings(ctx).quiet
     run = run_report(mode=mode, only=ids, out_dir=out, seeds=common.parse_seeds(seeds), use_cache=not no_cache,
-                     progress=bar, on_done=_print_done if lines else None)
+                     progress=bar, on_done=_print_done if lines else None, jobs=jobs)
     counts = run.summary["counts"]
     if not common.settings(ctx).quiet:
         parts = [f"{v} {k}" for k, v in counts.items() if v and k in ("holds", "does not hold", "inconclusive", "wiring only", "error")]
