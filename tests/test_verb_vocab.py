@@ -84,7 +84,7 @@ def test_bad_inputs_are_one_line_errors_without_output(tmp_path: Path, traces: P
         (["--traces", str(empty), "--structural", "4", "--content", "0"], "empty"),
         (["--traces", str(no_calls), "--structural", "4", "--content", "0"], "1 of 1 records rejected"),
         (["--traces", str(traces), "--structural", "-1", "--content", "0"], "structural_budget must be an int >= 0"),
-        (["--traces", str(traces), "--structural", "4", "--content", "0", "--model", "zoo:nope"], "unknown zoo"),
+        (["--traces", str(traces), "--structural", "4", "--content", "0", "--model", "zoo:nope"], "no embedded tiny LM"),
         (["--traces", str(traces), "--structural", "4", "--content", "0", "--model", str(tmp_path / "nodir")],
          "no such directory"),
     ]

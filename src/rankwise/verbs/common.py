@@ -221,3 +221,28 @@ FULL = typer.Option(False, "--full", help="At most 10 min per paper, more seeds.
 SEEDS = typer.Option(None, "--seeds", help="Seeds, e.g. --seeds 0 1 2 or --seeds 0,1,2 (default: the mode's).")
 NO_CACHE = typer.Option(False, "--no-cache", help="Recompute, neither reading nor writing the cache.")
 
+
+
+#: the embedded model families a ``--model zoo:<name>`` can name: (what to call it, where its names live)
+_ZOO_KINDS = {"tiny_lm": "embedded tiny LM", "warm": "embedded model"}
+
+
+def zoo_model(arg: str, kind: str, flag: str = "--model") -> tuple[Any, Any, str] | None:
+    """``(model, tokenizer, description)`` for ``zoo:<name>`` (``kind``: ``"tiny_lm"``, the pretrained tiny
+    LMs of :data:`rankwise.zoo.RECIPES`, or ``"warm"``, the warm-up models of :data:`rankwise.zoo.WARM_RECIPES`),
+    built or loaded from the cache; ``None`` when ``arg`` is not a ``zoo:`` reference (a directory). An unknown
+    name is a one-line error listing the choices."""
+    if not arg.startswith("zoo:"):
+        return None
+    if kind not in _ZOO_KINDS:
+        raise ValueError(f"kind must be one of {sorted(_ZOO_KINDS)}, got {kind!r}")
+    from rankwise import zoo
+
+    names = zoo.RECIPES if kind == "tiny_lm" else zoo.WARM_RECIPES
+    name = arg[4:]
+    if name not in names:
+        raise ValueError(f"{flag} {arg}: no {_ZOO_KINDS[kind]} {name!r}; choose one of "
+                         f"{', '.join('zoo:' + n for n in sorted(names))}")
+    model, tok = zoo.tiny_lm(name) if kind == "tiny_lm" else zoo.warm_lm(name)
+    what = f"zoo.tiny_lm({name!r})" if kind == "tiny_lm" else f"embedded warm-up model {name!r}"
+    return model, tok, what

@@ -34,15 +34,9 @@ BATCH = 8
 
 
 def _load(model: str) -> tuple[Any, Any, str]:
-    if model.startswith("zoo:"):
-        from rankwise.zoo import tinylm
-
-        size = model[4:]
-        if size not in tinylm.RECIPES:
-            raise ValueError(f"--model {model}: no embedded tiny LM {size!r}; choose one of "
-                             f"{sorted('zoo:' + n for n in tinylm.RECIPES)}")
-        m, tok = tinylm.tiny_lm(size)
-        return m, tok, f"{model} (embedded)"
+    embedded = common.zoo_model(model, "tiny_lm")
+    if embedded is not None:
+        return embedded
     from rankwise.compress.model_dir import load_model_dir
 
     m, tok = load_model_dir(model)  # missing, incomplete or unreadable directories: one-line errors

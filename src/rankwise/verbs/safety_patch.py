@@ -60,15 +60,11 @@ def read_example(path: Path) -> dict[str, str]:
 
 
 def _load(model: str) -> tuple[Any, Any, str]:
-    if model.startswith("zoo:"):
-        from rankwise import zoo
+    from rankwise.verbs import common
 
-        name = model[4:]
-        if name not in zoo.WARM_RECIPES:
-            raise ValueError(f"--model {model}: no embedded model {name!r}; choose one of "
-                             f"{sorted('zoo:' + n for n in zoo.WARM_RECIPES)}")
-        m, tok = zoo.warm_lm(name)
-        return m, tok, f"{model} (embedded warm-up)"
+    embedded = common.zoo_model(model, "warm")
+    if embedded is not None:
+        return embedded
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rankwise.zoo.models import quiet_transformers

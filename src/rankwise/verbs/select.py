@@ -45,15 +45,11 @@ def read_pairs(path: Path) -> list[dict[str, Any]]:
 
 
 def _model(source: str) -> tuple[Any, Any, str]:
-    if source.startswith("zoo:"):
-        from rankwise.zoo.warm import WARM_RECIPES, warm_lm
+    from rankwise.verbs import common
 
-        name = source[4:]
-        if name not in WARM_RECIPES:
-            raise ValueError(f"--model {source}: no embedded model {name!r}; choose one of "
-                             f"{', '.join('zoo:' + n for n in sorted(WARM_RECIPES))}")
-        model, tok = warm_lm(name)
-        return model, tok, f"embedded warm-up model {name!r}"
+    embedded = common.zoo_model(source, "warm")
+    if embedded is not None:
+        return embedded
     d = Path(source)
     if not (d / "config.json").is_file():
         raise FileNotFoundError(f"--model {d}: no config.json (expected a save_pretrained causal-LM directory "

@@ -46,15 +46,11 @@ def _load(tokenizer: Optional[Path], model_arg: Optional[str]) -> tuple[Any, Any
 
     if model_arg is None and tokenizer is None:
         model_arg = DEFAULT_MODEL
-    if model_arg is not None and model_arg.startswith("zoo:"):
-        from rankwise import zoo
-
-        size = model_arg[4:]
-        if size not in zoo.RECIPES:
-            raise ValueError(f"--model {model_arg}: unknown zoo tiny LM; choose zoo:<size> with size in {list(zoo.RECIPES)}")
-        net, tok = zoo.tiny_lm(size)
+    embedded = common.zoo_model(model_arg, "tiny_lm") if model_arg is not None else None
+    if embedded is not None:
+        net, tok, what = embedded
         if tokenizer is None:
-            return net, tok, f"zoo.tiny_lm({size!r})"
+            return net, tok, what
         model = None
     else:
         net, model = None, (Path(model_arg) if model_arg is not None else None)
