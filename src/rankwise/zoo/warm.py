@@ -26,8 +26,9 @@ from typing import Any, Callable
 
 import torch
 
-from rankwise.core.errors import ArtifactError, NumericalError
+from rankwise.core.errors import ArtifactError
 from rankwise.core.io import atomic_dir
+from rankwise.core.steps import causal_lm_step
 from rankwise.core.lmdata import collate, encode_pair
 from rankwise.zoo.models import quiet_transformers, seeded
 from rankwise.zoo.synthetic import AdditionWorld, ArithmeticWorld, Example, P2DWorld, SafetyWorld
@@ -222,14 +223,8 @@ def _train(name: str, out: Path) -> dict[str, Any]:
         b = collate([encoded[i] for i in idx], tok.pad_token_id, r.mask_prompt)
         for g in opt.param_groups:
             g["lr"] = _lr(step, r)
-        loss = model(input_ids=b.input_ids, attention_mask=b.attention_mask, labels=b.labels).loss
-        if not torch.isfinite(loss):
-            raise NumericalError(f"warm-up {name}: non-finite training loss at step {step}")
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        losses.append(float(loss.detach()))
+        losses.append(causal_lm_step(model, opt, b.input_ids, b.attention_mask, b.labels, step=step,
+                                     who=f"warm-up {name}"))
     model.eval()
     metrics = {"final_train_loss": sum(losses[-50:]) / len(losses[-50:]), "first_loss": losses[0],
                "n_params": sum(p.numel() for p in model.parameters()), "build_time_s": time.perf_counter() - t0,

@@ -19,6 +19,7 @@ from typing import Any, Sequence
 
 import torch
 
+from rankwise.core.steps import causal_lm_step
 from rankwise.infer.agentvocab.template import Rendered
 
 __all__ = ["Decoded", "generate_calls", "sft_example", "sft_train", "timed_call"]
@@ -74,14 +75,7 @@ def sft_train(model: torch.nn.Module, tokenizer: Any, rendered: Sequence[Rendere
             g["lr"] = _lr(step, steps, lr, min(warmup, max(1, steps // 10)))
         if not (labels[:, 1:] != IGNORE).any():
             raise ValueError(f"sft_train: batch {step} has no assistant token to train on (max_length={max_length})")
-        loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
-        if not torch.isfinite(loss):
-            raise FloatingPointError(f"sft_train: non-finite loss at step {step}")
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        losses.append(float(loss.detach()))
+        losses.append(causal_lm_step(model, opt, ids, mask, labels, step=step, who="sft_train"))
     model.eval()
     return losses
 
