@@ -336,7 +336,12 @@ def _result_section(id: str, result: ReproResult, missing: list[str]) -> str:
     over = (f" <span class='warn'>(over the {budget:g} s budget of {_esc(result.mode)} mode)</span>"
             if budget is not None and result.wall_time_s > budget else "")
     cached = " <span class='muted'>(from the cache)</span>" if result.cache_hit else ""
-    parts.append(f"<p><b>Wall time:</b> {result.wall_time_s:.1f} s{over}{cached} · <b>mode:</b> "
+    env = result.environment or {}
+    load = env.get("loadavg_start")
+    machine = (f" · CPU time {result.cpu_time_s:.1f} s" if result.cpu_time_s else "") + (
+        f" · {env['threads']} torch thread(s)" if "threads" in env else "") + (
+        f" on {env['cpus']} CPUs at load average {load[0]:.2f}" if load and "cpus" in env else "")
+    parts.append(f"<p><b>Wall time:</b> {result.wall_time_s:.1f} s{over}{cached}{_esc(machine)} · <b>mode:</b> "
                  f"{_esc(result.mode)} · <a href='{_esc(id)}/result.json'>result.json</a></p>")
     if result.notes:
         parts.append(f"<p><b>Notes.</b></p><div class='notes'>{_esc(result.notes)}</div>")
