@@ -29,7 +29,7 @@ def test_table_rows_times_and_budgets() -> None:
     assert "B below A by 3 points" in rows["`b`"] and "interval" not in rows["`b`"]
     assert rows["`c`"].count("not run") == 2
     assert "load average at the start 0.05 to 0.05" in md and "1.40 to 1.40" in md
-    assert "Over the 60 s budget in CPU time: `b`" in md  # 75 CPU s > 60
+    assert "Over the 60 s budget (wall time): `b`" in md  # 80 s > 60
     assert "Quick: 1 holds, 1 inconclusive, 1 not run." in md
     assert "adamw" not in md
 

@@ -68,7 +68,7 @@ def _machine_line(mode: str, runs: Mapping[str, Mapping[str, Any]]) -> str:
     cpus = sorted({e["cpus"] for e in envs if "cpus" in e})
     loads = [e["loadavg_start"][0] for e in envs if e.get("loadavg_start")]
     days = sorted({str(e["time"])[:10] for e in envs if "time" in e})
-    over = sorted(i for i, r in runs.items() if (r.get("cpu_time_s") or 0) > BUDGET_S.get(mode, float("inf")))
+    over = sorted(i for i, r in runs.items() if (r.get("wall_time_s") or 0) > BUDGET_S.get(mode, float("inf")))
     parts = [f"{len(runs)} runs"]
     if days:
         parts.append("on " + (days[0] if len(days) == 1 else f"{days[0]} to {days[-1]}"))
@@ -80,7 +80,7 @@ def _machine_line(mode: str, runs: Mapping[str, Mapping[str, Any]]) -> str:
         parts.append(f"1-minute load average at the start {min(loads):.2f} to {max(loads):.2f}")
     text = f"* {mode}: " + ", ".join(parts) + "."
     if over:
-        text += (f" Over the {BUDGET_S[mode]:.0f} s budget in CPU time: " + ", ".join(f"`{i}`" for i in over) + ".")
+        text += (f" Over the {BUDGET_S[mode]:.0f} s budget (wall time): " + ", ".join(f"`{i}`" for i in over) + ".")
     return text
 
 
