@@ -14,7 +14,7 @@ def _summary(mode: str, runs: dict[str, tuple[str, float, float, str]], load: fl
     papers = [{"id": i, "kind": "paper", "verdict": v, "reason": why, "cpu_time_s": cpu, "wall_time_s": wall,
                "environment": {"threads": 1, "cpus": 2, "loadavg_start": [load, 0.2, 0.3], "time": "2026-12-02T05:00:00"}}
               for i, (v, cpu, wall, why) in runs.items()]
-    papers.append({"id": "adamw", "kind": "reference", "verdict": "holds"})  # references are not rows
+    papers.append({"id": "zz_ref", "kind": "reference"})  # listed but not run: no verdict, no row data
     return {"mode": mode, "papers": papers}
 
 
@@ -31,7 +31,7 @@ def test_table_rows_times_and_budgets() -> None:
     assert "load average at the start 0.05 to 0.05" in md and "1.40 to 1.40" in md
     assert "Over the 60 s budget (wall time): `b`" in md  # 80 s > 60
     assert "Quick: 1 holds, 1 inconclusive, 1 not run." in md
-    assert "adamw" not in md
+    assert "zz_ref" not in md  # rows are the ids asked for
 
 
 def test_table_escapes_and_shortens_reasons() -> None:
