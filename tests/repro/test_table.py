@@ -29,7 +29,8 @@ def test_table_rows_times_and_budgets() -> None:
     assert "B below A by 3 points" in rows["`b`"] and "interval" not in rows["`b`"]
     assert rows["`c`"].count("not run") == 2
     assert "load average at the start 0.05 to 0.05" in md and "1.40 to 1.40" in md
-    assert "Over the 60 s budget (wall time): `b`" in md  # 80 s > 60
+    assert "Over the 60 s budget (wall time): `b` (1 thread of 2)." in md  # 80 s > 60, on 1 of 2 cores
+    assert "ran beside others" in md
     assert "Quick: 1 holds, 1 inconclusive, 1 not run." in md
     assert "zz_ref" not in md  # rows are the ids asked for
 
@@ -67,3 +68,10 @@ def test_main_errors_are_clear(tmp_path: Path, capsys) -> None:
 def test_docs_have_the_measured_section() -> None:
     text = table.DEFAULT_DOC.read_text(encoding="utf-8")
     assert text.count(table.START) == 1 and text.count(table.END) == 1
+
+
+def test_over_budget_on_all_cores_has_no_thread_note() -> None:
+    quick = _summary("quick", {"b": ("holds", 150.0, 80.0, "")})
+    quick["papers"][0]["environment"]["threads"] = 2
+    md = table.measured_table(quick, None, ids=["b"])
+    assert "Over the 60 s budget (wall time): `b`." in md and "ran beside others" not in md

@@ -80,7 +80,15 @@ def _machine_line(mode: str, runs: Mapping[str, Mapping[str, Any]]) -> str:
         parts.append(f"1-minute load average at the start {min(loads):.2f} to {max(loads):.2f}")
     text = f"* {mode}: " + ", ".join(parts) + "."
     if over:
-        text += (f" Over the {BUDGET_S[mode]:.0f} s budget (wall time): " + ", ".join(f"`{i}`" for i in over) + ".")
+        def label(i: str) -> str:  # a run on fewer threads than CPUs shared the machine (rankwise report --jobs)
+            env = runs[i].get("environment") or {}
+            t, c = env.get("threads"), env.get("cpus")
+            return f"`{i}`" + (f" ({t} thread{'s' if t != 1 else ''} of {c})" if t and c and t < c else "")
+
+        text += f" Over the {BUDGET_S[mode]:.0f} s budget (wall time): " + ", ".join(map(label, over)) + "."
+        if any("thread" in label(i) for i in over):
+            text += (" A run on fewer torch threads than CPUs ran beside others (`rankwise report --jobs`): its "
+                     "wall time is close to its CPU time, more than it takes alone on all the cores.")
     return text
 
 
