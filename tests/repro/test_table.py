@@ -75,3 +75,18 @@ def test_over_budget_on_all_cores_has_no_thread_note() -> None:
     quick["papers"][0]["environment"]["threads"] = 2
     md = table.measured_table(quick, None, ids=["b"])
     assert "Over the 60 s budget (wall time): `b`." in md and "ran beside others" not in md
+
+
+def test_docs_table_is_the_one_generated_from_the_kept_summaries() -> None:
+    """docs/reproductions.md's measured section is exactly what the kept summaries generate (regenerate with
+    `python -m rankwise.repro.table --quick docs/measured/quick-summary.json --full docs/measured/full-summary.json
+    --write` after copying new summaries)."""
+    root = Path(__file__).resolve().parents[2]
+    doc, kept = root / "docs" / "reproductions.md", root / "docs" / "measured"
+    if not doc.is_file() or not (kept / "quick-summary.json").is_file():
+        pytest.skip("not a source checkout")
+    full = kept / "full-summary.json"
+    md = table.measured_table(table.load_summary(kept / "quick-summary.json"),
+                              table.load_summary(full) if full.is_file() else None)
+    text = doc.read_text(encoding="utf-8")
+    assert text[text.index(table.START) + len(table.START):text.index(table.END)] == "\n" + md

@@ -36,7 +36,8 @@ Issue 14: the negation task saturated (full mode: every row at 100 %), so quick 
 ``kind`` task (does a docstring document a class, a function or a method; a linear probe on frozen MiniLM
 features reaches about 0.65 of it, the least of the zoo's tasks), 24 tokens, all 792 training / 318 test
 docstrings; the negation task stays available (``task=negation``, its word lists are settings). Quick runs
-one seed at 60 steps; every row trains at one rate per mode (no sweep on ``kind`` yet; see :data:`LRS`).
+one seed at 40 steps (the spec's; 60 did not fit the budget); every row trains at one rate per mode (no
+sweep on ``kind`` yet; see :data:`LRS`).
 A head-only row (a linear probe on the frozen encoder) is the lower bound of a new precondition.
 
 Preconditions (with the conversion to the skeleton; they can only move the verdict to ``inconclusive``):
@@ -112,8 +113,9 @@ LRS: dict[str, tuple[tuple[str, float, float], ...]] = {
 LRS["full"] = tuple((row, 1e-3, LR_HEAD) for row, _, _ in LRS["quick"])
 # issue 14: the negation task saturates (full mode: every row at 100 %), so quick and full moved to the zoo's
 # 'kind' task. The rates above were swept on the negation task; on 'kind' no sweep has been run yet, so every row
-# trains at ONE rate per mode, fixed before the runs (quick 3e-3, the centre of the quick grid, for 60 steps;
-# full 1e-3, the full-mode sweep's choice): no row gets more tuning than another. lr_sweep() re-runs the sweep.
+# trains at ONE rate per mode, fixed before the runs (quick 3e-3, the centre of the quick grid, chosen when quick
+# ran 60 steps and kept at 40; full 1e-3, the full-mode sweep's choice): no row gets more tuning than another.
+# lr_sweep() re-runs the sweep.
 LRS["negation quick"], LRS["negation full"] = LRS["quick"], LRS["full"]
 LRS["quick"] = tuple((row, 3e-3, LR_HEAD) for row, _, _ in LRS["negation quick"])
 LRS["smoke"] = LRS["quick"]
@@ -171,8 +173,9 @@ class E2LoraSettings(Settings):
 SETTINGS: dict[str, E2LoraSettings] = {
     "smoke": E2LoraSettings(n_train=96, n_test=64, top_layers=3, steps=3, calib_batches=1, lrs=LRS["smoke"]),
     # quick (issue 14): the zoo's 'kind' task (all 792 training / 318 test docstrings, 24 tokens) instead of the
-    # saturating negation task; one seed at 60 steps (the cost of the former two seeds at 40 steps of 16 tokens)
-    "quick": E2LoraSettings(max_length=24, steps=60, seeds=(0,), lrs=LRS["quick"]),
+    # saturating negation task; one seed. 60 steps took 72 s on an idle 2-core machine, over the 60 s budget, so
+    # quick trains the spec's 40 steps (at the same fixed rate, 3e-3)
+    "quick": E2LoraSettings(max_length=24, steps=40, seeds=(0,), lrs=LRS["quick"]),
     "full": E2LoraSettings(max_length=24, steps=150, targets=FULL_TARGETS, rows=ROWS_FULL, lrs=LRS["full"]),
 }
 RATIO_MAX = 0.67        # (a) P(E²LoRA) / P(LoRA r0) <= 0.67

@@ -85,7 +85,8 @@ class SwiftSVDSettings(Settings):
 
 SETTINGS: dict[str, SwiftSVDSettings] = {
     "smoke": SwiftSVDSettings(pairs=8, eval=16, target=r"re:encoder\.layer\.[01]\.attention\..*"),
-    "quick": SwiftSVDSettings(),
+    # quick: one seed, as the spec's quick mode (two seeds took 72 s on an idle 2-core machine, over the 60 s budget)
+    "quick": SwiftSVDSettings(seeds=(0,)),
     "full": SwiftSVDSettings(pairs=128, eval=512, rhos=(0.6, 0.4), dynamic=True, claim4=True, timing=True),
 }
 # module constants of the quick mode, kept for readers of the old layout
