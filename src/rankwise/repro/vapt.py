@@ -121,7 +121,17 @@ def _batches(n: int, S: VAPTSettings, seed: int) -> list[torch.Tensor]:
 
 
 def _fit(forward: Any, params: list[nn.Parameter], modules: list[nn.Module], x: torch.Tensor, y: torch.Tensor,
-         batches: list[torch.Tensor], S: VAPTSettings) -> dict[str, Any]:
+         batches: list[torch.Tensor], S: VAPTSettings, seed: int) -> dict[str, Any]:
+    # The dropouts (VPT's prompt dropout, VAPT's Dropout2d, PEFT LoRA's) draw from torch's global generator:
+    # seed it for every row, so that a row's numbers depend on the seed alone, not on what ran before it in the
+    # process (a model built on first use, another reproduction of the same report).
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return _fit_seeded(forward, params, modules, x, y, batches, S)
+
+
+def _fit_seeded(forward: Any, params: list[nn.Parameter], modules: list[nn.Module], x: torch.Tensor,
+                y: torch.Tensor, batches: list[torch.Tensor], S: VAPTSettings) -> dict[str, Any]:
     opt = torch.optim.AdamW(params, lr=S.lr, weight_decay=S.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda i: 0.5 * (1 + math.cos(math.pi * i / len(batches))))
     for m in modules:
@@ -206,7 +216,7 @@ def _run_task(name: str, S: VAPTSettings, seed: int) -> dict[str, Any]:
     head = probe.classifier
     for p in head.parameters():
         p.requires_grad_(True)
-    fit = _fit(lambda xb: head(xb), list(head.parameters()), [head], feats, y, batches, S)
+    fit = _fit(lambda xb: head(xb), list(head.parameters()), [head], feats, y, batches, S, seed)
     record("probe", head(feats_t).detach(), 0, fit)
 
     before = {k: v.clone() for k, v in base.vit.state_dict().items()}
@@ -214,7 +224,7 @@ def _run_task(name: str, S: VAPTSettings, seed: int) -> dict[str, Any]:
     for key, method in (("vpt", "vpt-deep"), ("vapt", "vapt")):
         m = vapt.apply_vapt(copy.deepcopy(base), _vapt_config(S, method, seed))
         params = vapt.trainable_parameters(m)
-        fit = _fit(lambda xb, m=m: m(pixel_values=xb).logits, params, [m], x, y, batches, S)
+        fit = _fit(lambda xb, m=m: m(pixel_values=xb).logits, params, [m], x, y, batches, S, seed)
         record(key, _logits(m, xt), vapt.count_parameters(m), fit)
         after = {k: v for k, v in m.vit.state_dict().items() if ".prompts." not in k}
         after = {k.replace(".base_layer", ""): v for k, v in after.items()}
@@ -226,7 +236,7 @@ def _run_task(name: str, S: VAPTSettings, seed: int) -> dict[str, Any]:
     full = copy.deepcopy(base)
     for p in full.parameters():
         p.requires_grad_(True)
-    fit = _fit(lambda xb: full(pixel_values=xb).logits, list(full.parameters()), [full], x, y, batches, S)
+    fit = _fit(lambda xb: full(pixel_values=xb).logits, list(full.parameters()), [full], x, y, batches, S, seed)
     record("full", _logits(full, xt), sum(p.numel() for n, p in full.named_parameters()
                                           if not n.startswith("classifier.")), fit)
 
@@ -236,7 +246,7 @@ def _run_task(name: str, S: VAPTSettings, seed: int) -> dict[str, Any]:
         torch.manual_seed(seed)
         lora = peft.get_peft_model(copy.deepcopy(base), cfg)
     params = [p for p in lora.parameters() if p.requires_grad]
-    fit = _fit(lambda xb: lora(pixel_values=xb).logits, params, [lora], x, y, batches, S)
+    fit = _fit(lambda xb: lora(pixel_values=xb).logits, params, [lora], x, y, batches, S, seed)
     record("lora", _logits(lora, xt), sum(p.numel() for n, p in lora.named_parameters()
                                           if p.requires_grad and "lora_" in n), fit)
     if name == S.tasks[0]:
