@@ -108,7 +108,11 @@ class Case:
     sizes: ``sizes`` maps each implementation (``"d=1024"``, ...) to its size, and
     ``expected_exponent`` is the exponent ``p`` of ``t ~ size^p`` that the algorithm's cost predicts.
     ``smoke``: the case a smoke run executes for its module (default: the module's first case; a module
-    may instead define ``SMOKE_CASES``, small versions of its cases).
+    may instead define ``SMOKE_CASES``, small versions of its cases). ``cold``: implementations that skip
+    the warm-up because one call is already minutes of many identical sub-problems (the first of them
+    absorbs the first-call costs that a warm-up is for); the JSON lists them. ``memory_calls``: calls of
+    each implementation in its memory subprocess (the peak does not grow after the first; 1 for cases
+    whose calls take minutes).
     """
 
     name: str
@@ -121,12 +125,17 @@ class Case:
     sizes: dict[str, float] | None = None
     expected_exponent: float | None = None
     smoke: bool = False
+    cold: tuple[str, ...] = ()
+    memory_calls: int = 2
 
     def __post_init__(self) -> None:
         if self.anchor not in self.impls:
             raise ValueError(f"case {self.name!r}: anchor {self.anchor!r} is not one of {list(self.impls)}")
-        if self.repeats < 1 or self.warmup < 0:
-            raise ValueError(f"case {self.name!r}: repeats must be >= 1 and warmup >= 0")
+        if self.repeats < 1 or self.warmup < 0 or self.memory_calls < 1:
+            raise ValueError(f"case {self.name!r}: repeats and memory_calls must be >= 1 and warmup >= 0")
+        unknown = [k for k in self.cold if k not in self.impls]
+        if unknown:
+            raise ValueError(f"case {self.name!r}: cold names unknown implementation(s) {unknown}")
         if self.sizes is not None:
             if set(self.sizes) != set(self.impls) or len(self.sizes) < 2:
                 raise ValueError(f"case {self.name!r}: sizes must give a size to each of >= 2 implementations")
@@ -157,8 +166,9 @@ def time_case(case: Case, repeats: int | None = None, warmup: int | None = None)
     warmup = case.warmup if warmup is None else warmup
     fns = {k: f() for k, f in case.impls.items()}
     for _ in range(warmup):
-        for fn in fns.values():
-            fn()
+        for k, fn in fns.items():
+            if k not in case.cold:
+                fn()
     times: dict[str, list[float]] = {k: [] for k in fns}
     order = list(fns)
     for i in range(repeats):
@@ -238,8 +248,9 @@ def _memory_child(module: str, case_name: str, impl: str, calls: int) -> dict[st
             "baseline_rss_mib": base / 1024}
 
 
-def memory_case(module: str, case: Case, calls: int = 2) -> dict[str, Any]:
-    """Peak memory of each implementation, each in a fresh subprocess."""
+def memory_case(module: str, case: Case, calls: int | None = None) -> dict[str, Any]:
+    """Peak memory of each implementation, each in a fresh subprocess (``calls``: the case's ``memory_calls``)."""
+    calls = case.memory_calls if calls is None else calls
     out: dict[str, Any] = {}
     for impl in case.impls:
         cmd = [sys.executable, "-m", "benchmarks.harness", "--memory", module, case.name, impl, str(calls)]
@@ -301,6 +312,7 @@ def run_module(name: str, out_dir: Path | None = None, memory: bool = True, only
             warmup = 0 if smoke else case.warmup
             entry: dict[str, Any] = {"case": case.name, "anchor": case.anchor, "params": case.params,
                                      "repeats": repeats, "warmup": warmup, "threads": torch.get_num_threads(),
+                                     "cold": list(case.cold),
                                      "goals": [g.to_json() for g in case.goals],
                                      "time": time_case(case, repeats=repeats, warmup=warmup)}
             if case.sizes is not None:

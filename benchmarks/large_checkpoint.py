@@ -8,10 +8,16 @@ and measures the child's peak resident set above its post-import baseline (``VmH
 baseline is at most 0.3x the checkpoint; and, on a small model of the same shape family, the output of
 ``compress_checkpoint`` is identical (weights and logits) to ``compress(mode="whole")``.
 
-The cap: a cgroup v2 memory limit (``systemd-run --user --scope -p MemoryMax=...``) when available
-(``--cap cgroup``), else ``RLIMIT_DATA`` (``--cap rlimit``: heap and private anonymous mappings, which is
-where tensors live; file-backed pages of the safetensors shards are not charged); ``--cap auto`` (default)
-tries the cgroup first. The JSON (``benchmarks/results/large_checkpoint.json``) records which one ran.
+The cap: a cgroup memory limit (``--cap cgroup``): a cgroup v2 scope (``systemd-run --user --scope -p
+MemoryMax=...``) where systemd's user manager runs, else a cgroup v1 memory group made for the run
+(``memory.limit_in_bytes``, swap included where accounted; needs write access to
+``/sys/fs/cgroup/memory``, as root in a container has); the kernel charges everything the child touches,
+page cache included, and reclaims or OOM-kills at the limit. ``--cap rlimit`` sets ``RLIMIT_DATA``
+instead, which limits *address space* (private writable mappings), not memory in use: the allocator's
+arenas and the private mappings torch makes of whole safetensors shards count in full whether touched or
+not (seen here: a 1 GB RLIMIT_DATA stopped the 2 GB run when torch could not map one 202 MB shard). ``--cap auto`` (default) tries the
+cgroups first. The JSON (``benchmarks/results/large_checkpoint.json``) records which cap ran and, for
+cgroup v1, the group's peak charge and how often it hit the limit.
 
 The default shapes (hidden 1024, intermediate 2752, 8 heads, vocabulary 8192, as many blocks as the size
 needs: 39 for 2 GB) keep Llama's proportions (intermediate = 2.69 x hidden) and depth: the peak is one
@@ -184,20 +190,71 @@ def _cgroup_works() -> bool:
     return probe.returncode == 0
 
 
-def run_capped(cmd: list[str], cap_bytes: int | None, how: str) -> tuple[subprocess.CompletedProcess, str]:
-    """Run ``cmd`` under a memory cap (``how``: auto / cgroup / rlimit / none); returns the result and the kind."""
+#: A cgroup v1 memory hierarchy (machines without systemd's user manager, containers that mount it rw).
+CGROUP_V1 = Path("/sys/fs/cgroup/memory")
+
+
+def _cgroup_v1_group(cap_bytes: int) -> Path | None:
+    """A fresh cgroup v1 memory group limited to ``cap_bytes`` (swap too, where accounted), or None."""
+    if not (CGROUP_V1 / "cgroup.procs").is_file() or not os.access(CGROUP_V1, os.W_OK):
+        return None
+    group = CGROUP_V1 / f"rankwise-bench-{os.getpid()}"
+    try:
+        group.mkdir()
+        (group / "memory.limit_in_bytes").write_text(str(cap_bytes))
+        if (group / "memory.memsw.limit_in_bytes").is_file():  # no escape into swap
+            (group / "memory.memsw.limit_in_bytes").write_text(str(cap_bytes))
+        (group / "memory.swappiness").write_text("0")
+    except OSError:
+        _rmdir_quietly(group)
+        return None
+    return group
+
+
+def _rmdir_quietly(group: Path) -> None:
+    try:
+        group.rmdir()  # cgroup directories are removed with rmdir once their processes have exited
+    except OSError:
+        pass
+
+
+def run_capped(cmd: list[str], cap_bytes: int | None, how: str) -> tuple[subprocess.CompletedProcess, str, dict]:
+    """Run ``cmd`` under a memory cap (``how``: auto / cgroup / rlimit / none).
+
+    Returns the result, the kind of cap and what the cap's accounting saw (cgroup v1: the peak charged
+    memory, page cache included, and how often the limit was hit). ``auto`` tries a cgroup v2 scope
+    (``systemd-run --user``), then a cgroup v1 memory group, then ``RLIMIT_DATA``.
+    """
     if cap_bytes is None or how == "none":
-        return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT), "none"
+        return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT), "none", {}
     if how in ("auto", "cgroup") and _cgroup_works():
         wrapped = ["systemd-run", "--user", "--scope", "--quiet", "-p", f"MemoryMax={cap_bytes}",
                    "-p", "MemorySwapMax=0"] + cmd
-        return subprocess.run(wrapped, capture_output=True, text=True, cwd=ROOT), "cgroup MemoryMax"
+        return subprocess.run(wrapped, capture_output=True, text=True, cwd=ROOT), "cgroup v2 MemoryMax", {}
+    if how in ("auto", "cgroup"):
+        group = _cgroup_v1_group(cap_bytes)
+        if group is not None:
+            procs = str(group / "cgroup.procs")
+
+            def enter() -> None:
+                with open(procs, "w") as fh:  # the child joins the group before it execs
+                    fh.write(str(os.getpid()))
+            try:
+                proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, preexec_fn=enter)
+                seen = {k: int((group / f"memory.{k}").read_text()) for k in ("max_usage_in_bytes", "failcnt")}
+                oom = (group / "memory.oom_control").read_text() if (group / "memory.oom_control").is_file() else ""
+                seen["oom_kills"] = next((int(line.split()[1]) for line in oom.splitlines()
+                                          if line.startswith("oom_kill ")), 0)
+            finally:
+                _rmdir_quietly(group)
+            return proc, "cgroup v1 memory.limit_in_bytes", seen
     if how == "cgroup":
-        raise SystemExit("--cap cgroup: systemd-run --user --scope is not available here; use --cap rlimit")
+        raise SystemExit("--cap cgroup: neither systemd-run --user --scope nor a writable cgroup v1 memory "
+                         "hierarchy is available here; use --cap rlimit")
 
     def limit() -> None:
         resource.setrlimit(resource.RLIMIT_DATA, (cap_bytes, cap_bytes))
-    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, preexec_fn=limit), "RLIMIT_DATA"
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, preexec_fn=limit), "RLIMIT_DATA", {}
 
 
 def identical_on_small_model(work: Path, method: str, ratio: float) -> bool:
@@ -270,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
                "--threads", str(args.threads),
                "--child", str(work / "ckpt"), str(work / "out"), str(work / "child.json")]
         print(f"compressing under a cap of {cap} bytes ...", flush=True)
-        proc, kind = run_capped(cmd, cap, "none" if args.smoke else args.cap)
+        proc, kind, seen = run_capped(cmd, cap, "none" if args.smoke else args.cap)
         ok = proc.returncode == 0 and (work / "child.json").is_file()
         res = json.loads((work / "child.json").read_text()) if ok else {}
         same = identical_on_small_model(work, args.method, args.ratio)
@@ -294,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
         data = {"benchmark": "large_checkpoint", "smoke": bool(args.smoke), "environment": dict(environment(),
                 threads=args.threads), "params": {"shape": shape, "method": args.method, "ratio": args.ratio,
                 "calibration": f"{args.batches} x {args.seq} tokens", "cap_bytes": cap, "cap_kind": kind,
-                "checkpoint_bytes": ckpt_bytes}, "child": res, "metrics": metrics}
+                "checkpoint_bytes": ckpt_bytes}, "child": res, "cap_accounting": seen, "metrics": metrics}
         out = args.out / "smoke" if args.smoke else args.out
         out.mkdir(parents=True, exist_ok=True)
         write_json(out / "large_checkpoint.json", data)

@@ -37,7 +37,9 @@ JSON files in `benchmarks/results/`; do not edit by hand. How to read it:
 * **ratio** = median time of the implementation / median time of the case's anchor (< 1: faster than
   the anchor); **spread** = the quartiles of the per-round ratios (implementations are timed in
   alternating rounds, so the two times of a round saw the same machine state);
-* every case runs after its warm-up with at least 5 repeats, with the stated torch thread count;
+* every case runs after its warm-up with at least 5 repeats, with the stated torch thread count; an
+  implementation marked *cold* skips the warm-up because one call is minutes of identical sub-problems
+  (e.g. PEFT's merge of 32 modules), whose first absorbs the first-call costs;
 * **growth** cases time one problem at several sizes and fit `t ~ size^p`; the exponent's spread is
   the quartiles of the exponents fitted round by round;
 * a goal is **met** when the measured number satisfies it, **not met** otherwise, and **pending** where
@@ -92,7 +94,8 @@ def _case_rows(entry: dict[str, Any]) -> list[str]:
     rep = entry.get("repeats")
     for impl, t in entry["time"].items():
         r = rep if rep is not None else t.get("n")
-        setup = f"{r} / {entry.get('warmup', '?')} / {entry.get('threads', '?')}"
+        warm = "0 (cold)" if impl in entry.get("cold", ()) else entry.get("warmup", "?")
+        setup = f"{r} / {warm} / {entry.get('threads', '?')}"
         ratio = "anchor" if impl == entry["anchor"] else _num(t["ratio_vs_anchor"])
         spread = "" if impl == entry["anchor"] else f"{_num(t.get('ratio_q1'))} - {_num(t.get('ratio_q3'))}"
         flag = " (fewer than 5 repeats)" if isinstance(r, int) and r < 5 else ""

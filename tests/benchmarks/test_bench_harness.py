@@ -20,6 +20,27 @@ def test_alternating_timing_reports_ratio_against_anchor():
     assert set(out) == {"a", "b"} and out["b"]["n"] == 4
 
 
+def test_cold_implementations_skip_only_the_warmup():
+    calls = []
+
+    def mk(tag):
+        def factory():
+            return lambda: calls.append(tag)
+        return factory
+
+    case = Case("c", impls={"a": mk("a"), "slow": mk("slow")}, anchor="a", repeats=2, warmup=2, cold=("slow",))
+    out = time_case(case)
+    assert calls == ["a", "a", "a", "slow", "slow", "a"]  # two warm-up calls of "a" only, then alternating
+    assert out["slow"]["n"] == 2
+
+
+def test_case_rejects_unknown_cold_implementation_and_zero_memory_calls():
+    with pytest.raises(ValueError, match="cold"):
+        Case("c", impls={"a": lambda: (lambda: None)}, anchor="a", cold=("b",))
+    with pytest.raises(ValueError, match="memory_calls"):
+        Case("c", impls={"a": lambda: (lambda: None)}, anchor="a", memory_calls=0)
+
+
 def test_case_rejects_unknown_anchor():
     with pytest.raises(ValueError, match="anchor"):
         Case("c", impls={"a": lambda: (lambda: None)}, anchor="z")
