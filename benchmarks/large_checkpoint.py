@@ -36,6 +36,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -173,12 +174,28 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     batches = _batches(shape["vocab_size"], args.batches, args.seq)
     gc.collect()
     base = _status_kib("VmRSS")
+    base_anon = _status_kib("RssAnon")
+    peaks = {"RssAnon": base_anon, "RssFile": _status_kib("RssFile")}
+    done = threading.Event()
+
+    def sample() -> None:  # VmHWM has no anonymous-only twin: sample the split every 20 ms
+        while not done.wait(0.02):
+            for k in peaks:
+                peaks[k] = max(peaks[k], _status_kib(k))
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
     t0 = time.perf_counter()
-    rep = compress_checkpoint(args.ckpt, _config(args.method, args.ratio), batches, args.out)
+    try:
+        rep = compress_checkpoint(args.ckpt, _config(args.method, args.ratio), batches, args.out)
+    finally:
+        done.set()
+        sampler.join()
     secs = time.perf_counter() - t0
     peak = _status_kib("VmHWM")
     return {"baseline_rss_bytes": base * 1024, "peak_rss_bytes": peak * 1024, "peak_above_baseline_bytes":
-            (peak - base) * 1024, "seconds": secs, "params_before": rep.params_before,
+            (peak - base) * 1024, "baseline_anon_bytes": base_anon * 1024,
+            "peak_anon_above_baseline_bytes": (peaks["RssAnon"] - base_anon) * 1024,
+            "peak_file_rss_bytes": peaks["RssFile"] * 1024, "seconds": secs, "params_before": rep.params_before,
             "params_after": rep.params_after, "ledger": rep.extra.get("memory")}
 
 

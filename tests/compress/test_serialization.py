@@ -242,3 +242,45 @@ def test_check_output_dir(tmp_path):
                 check_output_dir(ro / "out")
         finally:
             ro.chmod(0o700)
+
+
+def _vm_data_kib() -> int:
+    with open("/proc/self/status") as fh:
+        return next(int(line.split()[1]) for line in fh if line.startswith("VmData:"))
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="reads /proc/self/status (Linux)")
+def test_checkpoint_reader_tensors_do_not_map_the_whole_shard(tmp_path):
+    """Tensors read for block-sequential compression must own their memory: each tensor safetensors
+    returns keeps a private mapping of its whole shard alive, so a block's live weights would hold
+    (tensors x shard size) of address space; under RLIMIT_DATA (or any address-space cap) a 2 GB
+    checkpoint failed on mapping one 202 MB shard."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from transformers import BertConfig
+
+    from rankwise.compress.serialization import CheckpointReader
+
+    BertConfig(hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=8).save_pretrained(tmp_path)
+    tensors = {f"w{i}": torch.randn(512, 1024) for i in range(8)}  # 16 MiB
+    tensors["norm"] = torch.ones(8)
+    shard = tmp_path / "model.safetensors"
+    save_file(tensors, str(shard))
+    reader = CheckpointReader(tmp_path)
+    assert torch.equal(reader.get("w0"), tensors["w0"])  # first read (lazy imports) outside the count
+    shard_kib = shard.stat().st_size // 1024
+
+    def raw_get(key):
+        with safe_open(str(shard), framework="pt") as f:
+            return f.get_tensor(key)
+
+    def growth(get) -> int:
+        before = _vm_data_kib()
+        kept = [get(f"norm") for _ in range(8)]  # eight small live tensors
+        grown = _vm_data_kib() - before
+        assert all(torch.equal(k, tensors["norm"]) for k in kept)
+        return grown
+
+    # the check can fail: safetensors' own tensors each map the whole shard
+    assert growth(raw_get) >= 4 * shard_kib
+    assert growth(reader.get) < shard_kib

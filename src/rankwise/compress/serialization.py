@@ -217,9 +217,13 @@ class CheckpointReader:
         path = self.key_file[key]
         try:
             with safe_open(str(path), framework="pt") as f:
-                return f.get_tensor(key)
+                t = f.get_tensor(key)
         except Exception as e:
             raise ArtifactError(f"{path}: cannot read tensor {key!r} ({e})") from e
+        # An owned copy: the tensor safetensors returns keeps a private mapping of its whole shard alive,
+        # so a block's live weights would hold (tensors x shard size) of address space, and an
+        # address-space cap (RLIMIT_DATA) far above the real need fails on the next shard.
+        return t.clone()
 
     def _owners(self, model: nn.Module, predicate: Callable[[str], bool]
                 ) -> dict[int, list[tuple[nn.Module, str, str]]]:
