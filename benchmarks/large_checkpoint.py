@@ -364,6 +364,11 @@ def main(argv: list[str] | None = None) -> int:
              "goal": "yes", "met": same},
         ]
         if ok:
+            metrics.append({"name": "of which anonymous memory (peak sampled every 20 ms) / checkpoint size",
+                            "value": res["peak_anon_above_baseline_bytes"] / ckpt_bytes})
+            if seen.get("max_usage_in_bytes"):
+                metrics.append({"name": "peak charge of the cgroup (page cache included) / cap",
+                                "value": seen["max_usage_in_bytes"] / cap})
             metrics.append({"name": "wall time of compress_checkpoint", "value": res["seconds"], "unit": "s"})
         data = {"benchmark": "large_checkpoint", "smoke": bool(args.smoke), "environment": dict(environment(),
                 threads=args.threads), "params": {"shape": shape, "method": args.method, "ratio": args.ratio,

@@ -140,3 +140,14 @@ def test_large_checkpoint_writer_and_memory_formula(tmp_path):
     assert est["statistics_S"] == 8 * (3 * d * d + 2 * 16 * 16 + 2 * f * f)
     assert math.isclose(est["activations_A"], 2 * 100 * d * 4)
     assert est["peak"] >= est["block_weights_P"] + est["statistics_S"]
+
+
+def test_docs_table_is_the_one_rendered_from_the_kept_results():
+    """docs/benchmarks.md is what ``python -m benchmarks.table`` renders from benchmarks/results/*.json.
+
+    The measured JSON is kept in the repository (smoke results are not), so a fresh clone regenerates the
+    same table; after a benchmark run, ``python -m benchmarks.table`` rewrites the doc.
+    """
+    from benchmarks.table import DOC, RESULTS
+
+    assert DOC.read_text() == render(RESULTS)
