@@ -301,6 +301,7 @@ def run_module(name: str, out_dir: Path | None = None, memory: bool = True, only
     module = f"benchmarks.bench_{name}"
     mod = importlib.import_module(module)
     threads = THREADS if threads is None else threads
+    env = dict(environment(), loadavg_at="start")  # the machine's load, not this run's own
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     results = []
@@ -331,7 +332,7 @@ def run_module(name: str, out_dir: Path | None = None, memory: bool = True, only
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{name}.json"
     write_json(path, {"benchmark": name, "smoke": smoke, "min_repeats": 1 if smoke else MIN_REPEATS,
-                      "environment": dict(environment(), threads=threads), "cases": results})
+                      "environment": dict(env, threads=threads), "cases": results})
     print(f"wrote {path}")
     return path
 

@@ -329,6 +329,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not 0 < args.cap_fraction <= 1:
         ap.error(f"--cap-fraction must be in (0, 1], got {args.cap_fraction}")
+    from benchmarks.harness import environment
+
+    env0 = dict(environment(), loadavg_at="start")  # the machine's load, not this run's own
     size_gb = 0.02 if args.smoke else args.size_gb
     work = Path(args.work_dir or tempfile.mkdtemp(prefix="rankwise-large-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -349,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
         res = json.loads((work / "child.json").read_text()) if ok else {}
         same = identical_on_small_model(work, args.method, args.ratio)
         peak_ratio = res["peak_above_baseline_bytes"] / ckpt_bytes if ok else None
-        from benchmarks.harness import environment, write_json
+        from benchmarks.harness import write_json
 
         metrics = [
             {"name": "checkpoint size", "value": ckpt_bytes / 1e9, "unit": "GB", "goal": f">= {size_gb:g} GB",
@@ -370,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
                 metrics.append({"name": "peak charge of the cgroup (page cache included) / cap",
                                 "value": seen["max_usage_in_bytes"] / cap})
             metrics.append({"name": "wall time of compress_checkpoint", "value": res["seconds"], "unit": "s"})
-        data = {"benchmark": "large_checkpoint", "smoke": bool(args.smoke), "environment": dict(environment(),
+        data = {"benchmark": "large_checkpoint", "smoke": bool(args.smoke), "environment": dict(env0,
                 threads=args.threads), "params": {"shape": shape, "method": args.method, "ratio": args.ratio,
                 "calibration": f"{args.batches} x {args.seq} tokens", "cap_bytes": cap, "cap_kind": kind,
                 "checkpoint_bytes": ckpt_bytes}, "child": res, "cap_accounting": seen, "metrics": metrics}

@@ -44,7 +44,8 @@ JSON files in `benchmarks/results/`; do not edit by hand. How to read it:
   the quartiles of the exponents fitted round by round;
 * a goal is **met** when the measured number satisfies it, **not met** otherwise, and **pending** where
   no measurement on an idle machine exists yet. Timings from a loaded machine mean little: the
-  environment line gives the load average at the start of each run.
+  environment line gives the load average at the start of each run (older files: at its end, where the
+  run's own threads are part of it).
 """
 
 
@@ -77,7 +78,15 @@ def _met(v: bool | None) -> str:
 
 def _env(env: dict[str, Any]) -> str:
     keys = ("time", "torch", "python", "threads", "cpu_count", "loadavg", "platform", "peft", "transformers")
-    return "; ".join(f"{k} {env[k]}" for k in keys if k in env)
+    parts = []
+    for k in keys:
+        if k in env:
+            when = ""
+            if k == "loadavg":  # files written before the harness read it first were read at the end
+                when = (" (at the start)" if env.get("loadavg_at") == "start"
+                        else " (at the end of the run: its own load included)")
+            parts.append(f"{k} {env[k]}{when}")
+    return "; ".join(parts)
 
 
 def _case_rows(entry: dict[str, Any]) -> list[str]:

@@ -55,4 +55,4 @@ def test_run_module_writes_json_with_time_and_memory(tmp_path):
     assert case["time"]["four"]["ratio_vs_anchor"] > 1.5
     for impl in ("one", "four"):
         assert case["memory"][impl]["peak_rss_mib"] > 0
-    assert "torch" in data["environment"]
+    assert "torch" in data["environment"] and data["environment"]["loadavg_at"] == "start"

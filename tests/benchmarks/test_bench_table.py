@@ -112,7 +112,7 @@ def test_table_renders_every_ratio_spread_goal_and_pending(tmp_path):
     assert "| peak RSS above the import baseline / checkpoint size | 0.21" in md
     assert "**merge** (`python -m benchmarks.run merge`): pending" in md  # smoke results never tabulated
     assert "Goals: 3 met, 1 not met, " in md
-    assert "loadavg [0.1, 0.1, 0.1]" in md
+    assert "loadavg [0.1, 0.1, 0.1] (at the end of the run: its own load included)" in md
 
 
 def test_table_without_results_is_all_pending(tmp_path):
