@@ -274,6 +274,14 @@ def run_capped(cmd: list[str], cap_bytes: int | None, how: str) -> tuple[subproc
     return subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, preexec_fn=limit), "RLIMIT_DATA", {}
 
 
+def _failure(proc: subprocess.CompletedProcess, seen: dict) -> str:
+    """Why the capped child failed, in one line (the OOM killer, else the last line that is not a warning)."""
+    if seen.get("oom_kills"):
+        return f"killed by the cgroup's OOM killer (exit status {proc.returncode})"
+    lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip() and " W" not in ln[:8] and "Warning" not in ln]
+    return f"exit status {proc.returncode}: " + (lines[-1][:200] if lines else "no message")
+
+
 def identical_on_small_model(work: Path, method: str, ratio: float) -> bool:
     """``compress_checkpoint`` and ``compress(mode="whole")`` on a small checkpoint of the same family."""
     import torch
@@ -358,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
             {"name": "checkpoint size", "value": ckpt_bytes / 1e9, "unit": "GB", "goal": f">= {size_gb:g} GB",
              "met": ckpt_bytes >= size_gb * 1e9},
             {"name": f"completed under a cap of {args.cap_fraction:g} x checkpoint ({kind})",
-             "value": "yes" if ok else "no: " + ((proc.stderr.strip().splitlines() or ["failed"])[-1])[:200],
+             "value": "yes" if ok else "no: " + _failure(proc, seen),
              "goal": "yes", "met": ok if cap is not None else None},
             {"name": "peak RSS above the import baseline / checkpoint size",
              "value": peak_ratio if peak_ratio is not None else "-", "goal": f"<= {PEAK_GOAL}",

@@ -220,10 +220,12 @@ class CheckpointReader:
                 t = f.get_tensor(key)
         except Exception as e:
             raise ArtifactError(f"{path}: cannot read tensor {key!r} ({e})") from e
-        # An owned copy: the tensor safetensors returns keeps a private mapping of its whole shard alive,
-        # so a block's live weights would hold (tensors x shard size) of address space, and an
-        # address-space cap (RLIMIT_DATA) far above the real need fails on the next shard.
-        return t.clone()
+        # Not copied: the tensor is backed by the shard's file mapping, so its pages are clean page cache
+        # that the kernel can drop under memory pressure (a cgroup cap), not anonymous memory. Each live
+        # tensor keeps a mapping of its whole shard, which counts against an address-space cap
+        # (RLIMIT_DATA), not against memory in use (benchmarks/large_checkpoint.py: copies made the 2 GB
+        # run exceed a 1 GB cgroup cap that the mapped tensors stay under).
+        return t
 
     def _owners(self, model: nn.Module, predicate: Callable[[str], bool]
                 ) -> dict[int, list[tuple[nn.Module, str, str]]]:
