@@ -554,3 +554,24 @@ def test_compress_command_and_cli_verb(tmp_path):
     r = runner.invoke(app, ["compress", "--method", "svd", "--ratio", "1.5", "--model", str(d), "--calib",
                             str(tmp_path / "calib.txt")])
     assert r.exit_code == 2 and "ratio" in r.output
+
+
+def test_calibration_mode_does_not_keep_replaced_modules_alive():
+    """Block-sequential compression replaces Linears inside calibration_mode; holding them (and the weights
+    read into them) until the context exits made compress_checkpoint's memory grow with the model."""
+    import gc
+    import weakref
+
+    from torch import nn
+
+    from rankwise.compress.calibration import calibration_mode
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.1))
+    model.train()
+    with calibration_mode(model):
+        assert not model.training
+        gone = weakref.ref(model[0])
+        model[0] = nn.Linear(4, 4)  # what a method does to a target
+        gc.collect()
+        assert gone() is None
+    assert model.training and model[1].training  # the surviving modules get their mode back

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
@@ -52,7 +53,9 @@ def materialize_batches(calib: Any) -> list[Any]:
 @contextlib.contextmanager
 def calibration_mode(model: nn.Module) -> Iterator[None]:
     """Eval mode and ``config.use_cache = False`` (no KV cache during calibration), restored after."""
-    flags = {m: m.training for m in model.modules()}
+    # weak keys: block-sequential compression replaces modules inside this context, and a strong
+    # reference here kept every replaced Linear (and the weight read into it) alive to the end
+    flags = weakref.WeakKeyDictionary((m, m.training) for m in model.modules())
     configs = []
     for m in model.modules():
         cfg = getattr(m, "config", None)
@@ -64,7 +67,7 @@ def calibration_mode(model: nn.Module) -> Iterator[None]:
     try:
         yield
     finally:
-        for m, f in flags.items():
+        for m, f in list(flags.items()):
             m.training = f
         for cfg, v in configs:
             cfg.use_cache = v

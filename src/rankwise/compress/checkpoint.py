@@ -119,6 +119,9 @@ def compress_checkpoint(
     targets = resolve_targets(model, target, blocks=blocks)
     names = [n for n, _ in targets]
     shapes = {n: (m.out_features, m.in_features) for n, m in targets}
+    # Keep names, not modules: each target Linear is replaced by its factors when its block is done, and a
+    # reference here would keep every replaced Linear, with the weight read into it, alive to the end.
+    del targets
     report = CompressionReport(method=method.name, config=cfg.to_json())
     report.params_before = count_parameters(model)
     entries = ser.param_entries(model)
