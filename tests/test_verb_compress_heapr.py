@@ -63,7 +63,9 @@ def test_calibration_file_and_ratio_one_is_lossless(moe_dir: Path, tmp_path: Pat
     ref, _ = zoo.tiny_lm("moe-smoke")
     x = torch.arange(20).view(1, 20)
     with torch.no_grad():
-        assert torch.equal(load_pruned(out)(input_ids=x).logits, ref(input_ids=x).logits)
+        # unfused per-expert Linears vs the fused experts: the same arithmetic, rounded by other kernels
+        diff = (load_pruned(out)(input_ids=x).logits - ref(input_ids=x).logits).abs().max()
+    assert float(diff) <= 1e-5
 
 
 def test_default_model_is_the_zoo_moe(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -53,6 +53,10 @@ _CONFIGS: dict[str, dict[str, Any]] = {
 }
 
 
+#: Largest |logit| difference the unfusing wiring checks accept (float32 rounding of other kernels).
+UNFUSE_TOL = 1e-5
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class HEAPrSettings(Settings):
     """What the HEAPr reproduction runs; ``SETTINGS[mode]`` holds each mode's values."""
@@ -224,10 +228,14 @@ class HEAPrReproduction(Reproduction[HEAPrSettings, dict]):
             m, smp = paired(lambda r: [a - b for a, b in zip(r["nll"][g], r["nll"][lw])])
             checks.append(ClaimCheck(f"global - layer-wise HEAPr mean NLL at p={SECONDARY_P:g}", m, "<=", 0.0,
                                      unit="nats", samples=smp))
+        # Same arithmetic on both sides, but the fused experts' batched matmul and the unfused per-expert
+        # Linears may round differently depending on the installed packages (seen: 0 until a fresh install
+        # of 2026-12-02 gave 3e-8); a wiring error moves logits by orders of magnitude more than 1e-5.
         checks += [
-            ClaimCheck("unfused vs fused model: max |logit difference|", self._unfuse_diff, "<=", 0.0, kind="wiring"),
+            ClaimCheck("unfused vs fused model: max |logit difference|", self._unfuse_diff, "<=", UNFUSE_TOL,
+                       kind="wiring"),
             ClaimCheck("p = 0 pruning vs the fused model: max |logit difference|",
-                       max(r["p0_diff"] for r in records), "<=", 0.0, kind="wiring"),
+                       max(r["p0_diff"] for r in records), "<=", UNFUSE_TOL, kind="wiring"),
             ClaimCheck("rows keeping exactly int(N (1 - p)) atoms and removing 3 H parameters per atom",
                        float(all(r["kept_ok"] for r in records)), ">=", 1.0, kind="wiring"),
         ]
