@@ -5,14 +5,18 @@ import pytest
 from benchmarks.harness import Case, run_module, time_case
 
 
-def test_alternating_timing_reports_ratio_against_anchor():
-    calls = []
-
+def _recorder(calls):
+    """A factory maker whose implementations append their tag to ``calls`` when run."""
     def mk(tag):
         def factory():
             return lambda: calls.append(tag)
         return factory
+    return mk
 
+
+def test_alternating_timing_reports_ratio_against_anchor():
+    calls = []
+    mk = _recorder(calls)
     case = Case("c", impls={"a": mk("a"), "b": mk("b")}, anchor="a", repeats=4, warmup=0)
     out = time_case(case)
     assert calls == ["a", "b", "b", "a", "a", "b", "b", "a"]  # alternating, order flipped each round
@@ -22,12 +26,7 @@ def test_alternating_timing_reports_ratio_against_anchor():
 
 def test_cold_implementations_skip_only_the_warmup():
     calls = []
-
-    def mk(tag):
-        def factory():
-            return lambda: calls.append(tag)
-        return factory
-
+    mk = _recorder(calls)
     case = Case("c", impls={"a": mk("a"), "slow": mk("slow")}, anchor="a", repeats=2, warmup=2, cold=("slow",))
     out = time_case(case)
     assert calls == ["a", "a", "a", "slow", "slow", "a"]  # two warm-up calls of "a" only, then alternating
