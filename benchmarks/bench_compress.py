@@ -6,15 +6,15 @@ Cases (``python -m benchmarks.run compress``; JSON in ``benchmarks/results/compr
 ``decompose_minilm_{384x384,1536x384,384x1536}_{f64,f32}``
     Decomposition of one all-MiniLM-L6-v2 linear (out x in) from accumulated statistics (synthetic
     calibration, 2048 tokens) at the uniform rank of rho = 0.4: Swift-SVD (one ``eigh`` of the output
-    covariance, reduced to the ``n x n`` problem ``Q^T C Q`` when the layer is wider at the output, + ``B =
-    V_k^T W``) against SVD-LLM(W) (damped Cholesky of the input covariance + SVD of ``W S`` + triangular
+    covariance, reduced to the ``n x n`` problem ``R H R^T = Q^T C Q`` from the input covariance ``H`` when
+    the layer is wider at the output, + ``B = V_k^T W``; the pipeline collects ``H`` by default) against SVD-LLM(W) (damped Cholesky of the input covariance + SVD of ``W S`` + triangular
     solve), the anchor, and plain SVD of ``W`` (no statistics) as a reference row. Goal: Swift-SVD faster
     than SVD-LLM(W) at every MiniLM shape (ratio < 1).
 ``decompose_{4096x4096,4096x11008,11008x4096}_{f32,f64}`` (Llama-7B attention / down_proj / up_proj)
     The same at LLM shapes, synthetic calibration with n + 512 tokens. Goals: Swift-SVD >= 2x faster
     than SVD-LLM(W) (ratio <= 0.5) at 4096x4096 and 4096x11008; 11008x4096, where the reduction replaces
-    the 11008 x 11008 eigendecomposition, is shown without a goal. Minutes per call on one thread: set
-    ``RANKWISE_BENCH_LLM=0`` to skip them.
+    the 11008 x 11008 eigendecomposition by a 4096 x 4096 one, is shown without a goal. Minutes per
+    call on one thread: set ``RANKWISE_BENCH_LLM=0`` to skip them.
 ``calibration_memory_4_vs_16_batches``
     Peak memory of collecting Swift-SVD's statistics on MiniLM from 4 and from 16 batches (8 sentences
     each): the accumulators do not grow with the data (time grows, memory does not).
@@ -101,8 +101,12 @@ def _decompose(shapes: list[tuple[int, int]], tokens: int, dtype: torch.dtype, w
 
         if which == "swift-svd":
             def run() -> None:
-                for (W, _, C), k in zip(layers, ranks):
-                    swift_svd_factors(W, C.to(dtype), k, dtype=dtype)
+                for (W, H, C), k in zip(layers, ranks):
+                    # the pipeline collects both C and H by default (H measures the error): a layer wider
+                    # at the output uses R H R^T, the others eigh(C); the unused one is not converted
+                    m, n = W.shape
+                    swift_svd_factors(W, None if m > n else C.to(dtype), k,
+                                      input_cov=H.to(dtype) if m > n else None, dtype=dtype)
         elif which == "plain-svd":
             def run() -> None:
                 for (W, _, _), k in zip(layers, ranks):

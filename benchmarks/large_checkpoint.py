@@ -59,14 +59,16 @@ def llama_shape(size_gb: float, hidden: int = 1024, intermediate: int = 2752, he
 
 
 def memory_estimate(config: dict[str, Any], *, method: str = "swift-svd", tokens: int = 65536, ratio: float = 0.4,
-                    param_bytes: int | None = None, act_bytes: int | None = None) -> dict[str, float]:
+                    param_bytes: int | None = None, act_bytes: int | None = None,
+                    measure_error: bool = True) -> dict[str, float]:
     """Peak memory of ``compress_checkpoint`` above the import baseline, by term, from a Llama-style config (bytes).
 
     The formula of ``docs/compress.md``: ``peak ~ max(N + A, P + rho P + S + F + A)`` with ``P`` one block's
     weights, ``S`` its float64 statistics (all of a block's targets at once), ``F`` the float64 work
     buffers of fitting its largest layer, ``A`` the cached block inputs and outputs (``2 T d`` elements),
     ``N`` the non-block weights (embedding, head). ``param_bytes`` / ``act_bytes`` default to the
-    config's dtype (2 for bfloat16/float16, 4 otherwise).
+    config's dtype (2 for bfloat16/float16, 4 otherwise). ``measure_error`` (``CompressConfig``'s, on by
+    default) adds every target's input covariance to ``S``.
     """
     d, f = config["hidden_size"], config["intermediate_size"]
     heads = config["num_attention_heads"]
@@ -78,7 +80,9 @@ def memory_estimate(config: dict[str, Any], *, method: str = "swift-svd", tokens
     shapes = [(d, d), (kv, d), (kv, d), (d, d), (f, d), (f, d), (d, f)]  # out x in: q k v o gate up down
     P = b * sum(m * n for m, n in shapes)
     if method.replace("_", "-") in ("swift-svd", "swiftsvd", "swift"):
-        S = 8 * sum(m * m for m, _ in shapes)  # output covariances
+        # Y^T Y (m x m) where m <= n; a layer wider at the output needs X^T X (n x n) only (R H R^T);
+        # X^T X of the others when the error is measured
+        S = 8 * sum(n * n if m > n else m * m + (n * n if measure_error else 0) for m, n in shapes)
         F = max(24 * m * n + 16 * n * n if m > n else 24 * m * m for m, n in shapes)  # QR/reduction or eigh
     else:
         S = 8 * sum(n * n for _, n in shapes)  # input covariances (SVD-LLM, ASVD, ...)

@@ -137,7 +137,25 @@ def test_large_checkpoint_writer_and_memory_formula(tmp_path):
     # the formula's block weights and checkpoint size agree with what was written (norms aside)
     assert est["checkpoint"] == pytest.approx(size, rel=0.05)  # file headers and norms aside
     d, f = 32, 86
-    assert est["statistics_S"] == 8 * (3 * d * d + 2 * 16 * 16 + 2 * f * f)
+    # Swift-SVD: Y^T Y of q, k, v, o, down; X^T X of gate and up (wider at the output) and of every
+    # target for the error measurement
+    assert est["statistics_S"] == 8 * (9 * d * d + 2 * 16 * 16 + f * f)
+    assert memory_estimate(dict(shape, torch_dtype="float32"), tokens=100, measure_error=False)["statistics_S"] \
+        == 8 * (5 * d * d + 2 * 16 * 16)
+    # ... which is what the pipeline collects for one block
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rankwise.compress import CompressConfig, calibrate
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**dict(shape, num_hidden_layers=1), max_position_embeddings=32)).eval()
+    for measure in (True, False):
+        cal = calibrate(model, [torch.randint(0, 64, (2, 8))],
+                        CompressConfig(method="swift-svd", allocation="uniform", measure_error=measure))
+        held = sum(t.numel() * t.element_size() for st in cal.stats.values() for t in st.tensors().values())
+        assert held == memory_estimate(dict(shape, torch_dtype="float32"), tokens=100,
+                                       measure_error=measure)["statistics_S"]
     assert math.isclose(est["activations_A"], 2 * 100 * d * 4)
     assert est["peak"] >= est["block_weights_P"] + est["statistics_S"]
 

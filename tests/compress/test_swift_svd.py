@@ -571,3 +571,67 @@ def test_release_stats_drops_every_buffer():
     freed = release_stats(stats)
     assert freed >= 8 * (9 * 9 + 6 * 6)
     assert st.yty is None and st.xtx is None and st.n_tokens == 20
+
+
+@pytest.mark.parametrize("m,n,N", [(96, 24, 200), (200, 50, 30), (33, 32, 80)])
+def test_reduction_from_the_input_covariance_matches_the_full_eigendecomposition(m, n, N):
+    # m > n: Q^T C Q = R H R^T, so the n x n problem needs only H = X^T X (C is never formed)
+    from rankwise.compress.swift_svd import swift_svd_spectrum
+
+    W, X = _problem(m, n, N, seed=3 * m + n)
+    C, H = output_covariance(W, X), X.mT @ X
+    lam_full, V_full = swift_svd_spectrum(C)
+    lam, V = swift_svd_spectrum(None, weight=W, input_cov=H)
+    assert V.shape == (m, n) and lam.shape == (m,)
+    assert float((lam - lam_full).abs().max()) <= 1e-12 * float(lam_full[0])
+    for k in (1, min(n, N) // 2, n - 1):
+        f_h = swift_svd_factors(W, None, k, input_cov=H)
+        f_full = swift_svd_factors(W, None, k, spectrum=(lam_full, V_full))
+        if k < min(n, N):
+            assert float((f_h.A @ f_h.B - f_full.A @ f_full.B).norm() / (f_full.A @ f_full.B).norm()) <= 1e-10
+        assert _err(W, X, f_h) == pytest.approx(swift_svd_error(lam_full, k), rel=1e-9, abs=1e-9 * float(lam[0]))
+    with pytest.raises(ValueError, match=rf"must be \({n}, {n}\)"):
+        swift_svd_spectrum(None, weight=W, input_cov=H[:-1, :-1])
+
+
+def test_pipeline_collects_only_the_input_covariance_of_wide_layers(monkeypatch):
+    # a layer wider at the output gets X^T X (n x n), never Y^T Y (m x m): its spectrum is R H R^T,
+    # whether or not the error is measured; a layer narrower at the output gets Y^T Y
+    import rankwise.compress.swift_svd as sw
+    from rankwise.compress import calibrate
+
+    calls = []
+    real = sw._spectrum_from_input_cov
+    monkeypatch.setattr(sw, "_spectrum_from_input_cov", lambda *a: calls.append(1) or real(*a))
+    W, X = _problem(48, 12, 100)
+    for measure in (True, False):
+        cfg = CompressConfig(method="swift-svd", ratio=0.5, allocation="uniform", measure_error=measure)
+        model = nn.Sequential(nn.Linear(12, 48).double(), nn.Linear(48, 12).double())
+        with torch.no_grad():
+            model[0].weight.copy_(W)
+        cal = calibrate(model, [X[:50], X[50:]], cfg, target=nn.Linear)
+        assert cal.stats["0"].kinds == ("input_cov",)
+        assert "output_cov" in cal.stats["1"].kinds and ("input_cov" in cal.stats["1"].kinds) == measure
+        rep = compress(model, cfg, calibration=cal, target=nn.Linear)
+        assert calls == [1] * (1 if measure else 2)
+        k = model[0].rank
+        reference = swift_svd_factors(W, output_covariance(W, X), k)  # the Q^T C Q path, from C
+        ref = reference.A @ reference.B
+        got = model[0].up.weight.detach() @ model[0].down.weight.detach()
+        assert float((got - ref).norm() / ref.norm()) <= 1e-9
+        C = output_covariance(W, X)
+        assert rep.layers[0].info["predicted_rel_error"] == pytest.approx(
+            swift_svd_error(C, k) / float(C.trace()), rel=1e-9)
+
+
+def test_float32_factors_from_the_input_covariance_are_within_the_documented_bound():
+    from rankwise.compress.swift_svd import float32_excess_bound, swift_svd_spectrum
+
+    W, X = _problem(120, 30, 480, seed=11)
+    H = X.mT @ X
+    lam = swift_svd_spectrum(None, weight=W, input_cov=H)[0]
+    for k in (2, 10, 28):
+        e64 = _err(W, X, swift_svd_factors(W, None, k, input_cov=H))
+        f32 = swift_svd_factors(W.float(), None, k, input_cov=H, dtype=torch.float32)
+        e32 = _err(W, X, type(f32)(f32.B.double(), f32.A.double()))
+        assert abs(e32 - e64) <= float32_excess_bound(lam, k, 30)

@@ -393,3 +393,24 @@ def test_float32_model_statistics_in_float64():
     W = model.enc["fc1"].weight.double()
     y = x2 @ W.T
     assert torch.allclose(st.yty, y.T @ y, rtol=1e-5)
+
+
+def test_layer_kinds_collect_a_subset_per_layer():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 12), nn.Linear(12, 4)).double()
+    x = torch.randn(30, 4, dtype=torch.float64)
+    wide = lambda n, m: ("input_cov",) if m.out_features > m.in_features else ("output_cov", "input_cov")
+    with StatsCollector(model, kinds=("output_cov", "input_cov"), layer_kinds=wide) as col:
+        col.run(x)
+    st = col.results()
+    assert st["0"].kinds == ("input_cov",) and st["0"].yty is None
+    assert set(st["1"].kinds) == {"input_cov", "output_cov"}
+    h = model[0](x).detach()
+    assert torch.allclose(st["1"].xtx, h.T @ h) and torch.allclose(st["0"].xtx, x.T @ x)
+    # the same numbers as a collector of all kinds
+    with StatsCollector(model, kinds=("output_cov", "input_cov")) as full:
+        full.run(x)
+    assert torch.equal(full.results()["1"].yty, st["1"].yty)
+    for bad in (lambda n, m: ("fisher_diag",), lambda n, m: ()):
+        with pytest.raises(ValueError, match="subset of the collector's kinds"):
+            StatsCollector(model, kinds=("output_cov", "input_cov"), layer_kinds=bad)

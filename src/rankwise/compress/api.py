@@ -54,6 +54,7 @@ from rankwise.compress.calibration import (
     calibration_mode,
     collect_whole,
     kinds_for,
+    layer_kinds_for,
     materialize_batches,
 )
 from rankwise.compress.config import CompressConfig, MethodConfig, as_compress_config
@@ -207,8 +208,10 @@ def compress(
         if whole_stats:
             if calibration is not None:
                 cal = calibration
-                missing_k = [k for k in kinds_for(method, cfg) if k not in cal.kinds]
+                need = layer_kinds_for(method, cfg)
                 missing_n = [n for n in names if n not in cal.stats]
+                missing_k = sorted({k for n in names if n in cal.stats for k in need(n, model.get_submodule(n))
+                                    if k not in cal.stats[n].kinds})
                 if missing_k or missing_n:
                     raise ValueError(f"the Calibration lacks kinds {missing_k} / layers {missing_n[:5]} that "
                                      f"method {method.name!r} needs; recollect it with calibrate(model, calib, config)")
@@ -222,7 +225,8 @@ def compress(
                 stats, infl = collect_whole(model, batches, names, kinds_for(method, cfg), forward=forward,
                                              loss_fn=loss_fn, mask=mask, dtype=cfg.dtype,
                                              collect_options=method.collect_options(),
-                                             blocks=found[1] if want_infl else None, progress=progress)
+                                             blocks=found[1] if want_infl else None, progress=progress,
+                                             layer_kinds=layer_kinds_for(method, cfg))
                 cal = Calibration(stats=stats, kinds=kinds_for(method, cfg), influence=infl,
                                   block_path=found[0] if found else None, n_batches=len(batches),
                                   seconds=time.perf_counter() - t0)

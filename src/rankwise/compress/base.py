@@ -115,6 +115,14 @@ class LayerMethod:
         """Return factors ``(B, A)`` with ``A @ B ≈ layer.weight`` of rank ``rank`` (bias stays on the layer)."""
         raise NotImplementedError
 
+    def needs_for(self, out_features: int, in_features: int) -> tuple[str, ...]:
+        """The kinds of :attr:`needs` that a layer of this shape needs (default: all of them).
+
+        The pipeline collects only these for that layer (Swift-SVD: ``Y^T Y`` for ``m <= n``, ``X^T X``
+        for a layer wider at the output).
+        """
+        return self.needs
+
     def info(self) -> dict[str, Any]:
         """Per-layer diagnostics of the last ``fit`` (e.g. the chosen beta of SAES-SVD)."""
         return {}

@@ -25,7 +25,7 @@ from torch import nn
 
 from rankwise.compress.allocation import allocate_ranks, block_influence, layer_energy
 from rankwise.compress.base import LayerMethod, PairedStats
-from rankwise.compress.calibration import input_dim_hooks, kinds_for, release_stats, resolve_mask
+from rankwise.compress.calibration import input_dim_hooks, kinds_for, layer_kinds_for, release_stats, resolve_mask
 from rankwise.compress.config import CompressConfig
 from rankwise.compress.fitting import Fitter
 from rankwise.compress.progress import Bar, Ledger, stats_bytes, tensor_bytes, track
@@ -206,6 +206,7 @@ class BlockRunner:
                                  "mode compresses layers inside the blocks only (use mode='whole')")
             self.by_block.setdefault(b, []).append(n)
         self.kinds = kinds_for(method, cfg)
+        self.layer_kinds = layer_kinds_for(method, cfg)
         self.prefix = lambda l: f"{path}.{l}."
 
     def _rel(self, l: int, names: Sequence[str]) -> list[str]:
@@ -215,7 +216,8 @@ class BlockRunner:
     def _collector(self, block: nn.Module, rel: Sequence[str]) -> StatsCollector:
         relset = set(rel)
         return StatsCollector(block, target=lambda n, m: n in relset, kinds=self.kinds, types=(nn.Linear,),
-                              dtype=self.cfg.dtype, **dict(self.method.collect_options()))
+                              dtype=self.cfg.dtype, layer_kinds=self.layer_kinds,
+                              **dict(self.method.collect_options()))
 
     def _stats_full(self, l: int, stats: Mapping[str, LayerStats]) -> dict[str, LayerStats]:
         p = self.prefix(l)

@@ -31,7 +31,7 @@ from rankwise.core.stats import KINDS, CalibrationError, LayerStats, StatsCollec
 Tensor = torch.Tensor
 
 __all__ = ["Calibration", "calibrate", "release_stats", "materialize_batches", "resolve_mask", "calibration_mode", "input_dim_hooks",
-           "kinds_for", "collect_whole"]
+           "kinds_for", "layer_kinds_for", "collect_whole"]
 
 
 def materialize_batches(calib: Any) -> list[Any]:
@@ -117,6 +117,22 @@ def kinds_for(method: LayerMethod, cfg: CompressConfig) -> tuple[str, ...]:
     return tuple(dict.fromkeys(kinds))
 
 
+def layer_kinds_for(method: LayerMethod, cfg: CompressConfig, extra: Sequence[str] = ()
+                    ) -> Callable[[str, nn.Module], tuple[str, ...]]:
+    """Per layer, the kinds of :func:`kinds_for` that layer needs (``StatsCollector(layer_kinds=...)``).
+
+    ``method.needs_for(out, in)``, plus ``X^T X`` when the error is measured or the dynamic allocation
+    has no ``Y^T Y`` for the layer's energy, plus ``extra`` (kinds asked for every layer).
+    """
+    def kinds(name: str, module: nn.Module) -> tuple[str, ...]:
+        m, n = module.weight.shape
+        own = list(method.needs_for(int(m), int(n)))
+        if cfg.measure_error or (cfg.allocation == "dynamic" and "output_cov" not in own):
+            own.append("input_cov")
+        return tuple(dict.fromkeys((*own, *extra)))
+    return kinds
+
+
 @dataclass
 class Calibration:
     """Whole-model calibration statistics, re-usable for several ``compress`` calls (ratios, allocations).
@@ -182,10 +198,11 @@ def collect_whole(
     collect_options: Mapping[str, Any],
     blocks: nn.ModuleList | None,
     progress: bool,
+    layer_kinds: Callable[[str, nn.Module], Sequence[str]] | None = None,
 ) -> tuple[dict[str, LayerStats], list[float] | None]:
     nameset = set(names)
     col = StatsCollector(model, target=lambda n, m: n in nameset, kinds=kinds, types=(nn.Linear,), dtype=dtype,
-                         **dict(collect_options))
+                         layer_kinds=layer_kinds, **dict(collect_options))
     infl = None
     handles = input_dim_hooks(model, names)
     try:
@@ -245,6 +262,7 @@ def calibrate(
         stats, infl = collect_whole(model, batches, [n for n, _ in targets], kinds, forward=forward,
                                      loss_fn=loss_fn, mask=mask, dtype=cfg.dtype,
                                      collect_options=method.collect_options(),
-                                     blocks=found[1] if want_infl and found else None, progress=progress)
+                                     blocks=found[1] if want_infl and found else None, progress=progress,
+                                     layer_kinds=layer_kinds_for(method, cfg, extra_kinds))
     return Calibration(stats=stats, kinds=kinds, influence=infl, block_path=found[0] if found else None,
                        n_batches=len(batches), seconds=time.perf_counter() - t0)

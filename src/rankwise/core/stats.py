@@ -321,9 +321,11 @@ def _output_tensor(out: Any) -> Tensor | None:
 class _Layer:
     """Per-layer collector state: the LayerStats plus pending per-batch gradients."""
 
-    def __init__(self, name: str, module: nn.Module):
+    def __init__(self, name: str, module: nn.Module, kinds: tuple[str, ...]):
         self.name = name
         self.module = module
+        self.kinds = kinds
+        self.needs_grad = bool(GRAD_KINDS & set(kinds))
         self.stats = LayerStats(name=name)
         self.outstanding = 0                    # forward calls whose output gradient is still due
         self.pending: Tensor | None = None      # summed per-batch (m, n) or per-sample (B, m, n) gradient
@@ -345,6 +347,9 @@ class StatsCollector:
         fisher: ``"batch"`` or ``"sample"`` (see the module docstring).
         output_bias: keep the bias in ``y`` for the output kinds (default: subtract it).
         dtype: accumulation dtype (float64 by default; float32 allowed for speed on accelerators).
+        layer_kinds: ``f(name, module) -> kinds``, the subset of ``kinds`` collected for one layer
+            (default: all of them). Lets a method skip an accumulator a layer does not need (Swift-SVD
+            reads ``X^T X``, not the larger ``Y^T Y``, for a layer wider at the output).
 
     Example::
 
@@ -364,6 +369,7 @@ class StatsCollector:
         fisher: Literal["batch", "sample"] = "batch",
         output_bias: bool = False,
         dtype: torch.dtype = torch.float64,
+        layer_kinds: Callable[[str, nn.Module], Sequence[str]] | None = None,
     ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -384,7 +390,7 @@ class StatsCollector:
         self.dtype = dtype
         self.needs_grad = bool(GRAD_KINDS & set(kinds))
         hits = select(model, target, types)
-        self.layers: dict[str, _Layer] = {n: _Layer(n, m) for n, m in hits}
+        self.layers: dict[str, _Layer] = {n: _Layer(n, m, self._layer_kinds(layer_kinds, n, m)) for n, m in hits}
         for lay in self.layers.values():
             lay.stats.fisher_per_sample = fisher == "sample"
             lay.stats.output_bias = self.output_bias
@@ -392,6 +398,18 @@ class StatsCollector:
         self._mask: Tensor | None = None
         self._leaf: Tensor | None = None
         self._batch_index = 0
+
+    def _layer_kinds(self, fn: Callable[[str, nn.Module], Sequence[str]] | None, name: str,
+                     module: nn.Module) -> tuple[str, ...]:
+        if fn is None:
+            return self.kinds
+        got = fn(name, module)
+        own = (got,) if isinstance(got, str) else tuple(got)
+        extra = [k for k in own if k not in self.kinds]
+        if extra or not own:
+            raise ValueError(f"layer_kinds({name!r}) must give a non-empty subset of the collector's kinds "
+                             f"{list(self.kinds)}, got {list(own)}")
+        return tuple(k for k in self.kinds if k in own)
 
     # -- hooks -------------------------------------------------------------------------------
 
@@ -443,12 +461,12 @@ class StatsCollector:
         def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
             x = _first_tensor(args, kwargs)
             y = _output_tensor(output)
-            if x is None or (y is None and (set(self.kinds) & (_OUTPUT_KINDS | GRAD_KINDS))):
+            if x is None or (y is None and (set(lay.kinds) & (_OUTPUT_KINDS | GRAD_KINDS))):
                 raise TypeError(f"layer {lay.name!r} ({type(module).__name__}) was called without a tensor "
                                 "input/output; statistics need tensors with features in the last dim")
             mask = self._mask
             self._accumulate_forward(lay, x.detach(), None if y is None else y.detach(), mask)
-            if self.needs_grad and torch.is_grad_enabled():
+            if lay.needs_grad and torch.is_grad_enabled():
                 if not isinstance(output, torch.Tensor):
                     raise TypeError(f"layer {lay.name!r} ({type(module).__name__}) returns a "
                                     f"{type(output).__name__}, not a tensor; gradient statistics need a tensor output")
@@ -519,7 +537,7 @@ class StatsCollector:
             cur.add_(value.to(cur.device))
 
     def _accumulate_forward(self, lay: _Layer, x: Tensor, y: Tensor | None, mask: Tensor | None) -> None:
-        kinds = set(self.kinds)
+        kinds = set(lay.kinds)
         st = lay.stats
         self._check_features(lay, x.shape[-1], None if y is None else y.shape[-1])
         fwd = kinds - GRAD_KINDS
@@ -548,7 +566,7 @@ class StatsCollector:
 
     def _accumulate_grad(self, lay: _Layer, x: Tensor, g: Tensor, mask: Tensor | None, *, complete: bool) -> None:
         st = lay.stats
-        kinds = set(self.kinds)
+        kinds = set(lay.kinds)
         if tuple(g.shape[:-1]) != tuple(x.shape[:-1]):
             raise ValueError(f"layer {lay.name!r}: gradient shape {tuple(g.shape)} does not match input "
                              f"shape {tuple(x.shape)} in the leading (token) dims")
@@ -651,7 +669,7 @@ class StatsCollector:
         lay = self.layers[name]
         if not isinstance(inputs, torch.Tensor):
             raise TypeError(f"inputs must be a tensor, got {type(inputs).__name__}")
-        fwd = set(self.kinds) - GRAD_KINDS
+        fwd = set(lay.kinds) - GRAD_KINDS
         if fwd:
             if outputs is None and (fwd & _OUTPUT_KINDS):
                 W = getattr(lay.module, "weight", None)
@@ -663,9 +681,9 @@ class StatsCollector:
                 outputs = nn.functional.linear(inputs.detach().to(self.dtype), W.detach().to(inputs.device, self.dtype),
                                                None if b is None else b.detach().to(inputs.device, self.dtype))
             self._accumulate_forward(lay, inputs.detach(), None if outputs is None else outputs.detach(), mask)
-        if self.needs_grad:
+        if lay.needs_grad:
             if grad_outputs is None:
-                raise ValueError(f"layer {name!r}: kinds {sorted(GRAD_KINDS & set(self.kinds))} need grad_outputs=")
+                raise ValueError(f"layer {name!r}: kinds {sorted(GRAD_KINDS & set(lay.kinds))} need grad_outputs=")
             self._accumulate_grad(lay, inputs.detach(), grad_outputs.detach(), mask, complete=True)
 
     # -- running batches ---------------------------------------------------------------------
@@ -713,17 +731,13 @@ class StatsCollector:
         """
         self.flush()
         if check:
-            fwd = set(self.kinds) - GRAD_KINDS
-            silent = [n for n, lay in self.layers.items() if fwd and lay.stats.n_tokens == 0]
+            silent = [n for n, lay in self.layers.items() if set(lay.kinds) - GRAD_KINDS and lay.stats.n_tokens == 0]
             if silent:
                 raise CalibrationError(f"no calibration token reached {len(silent)} target layer(s): {silent[:10]}"
                                        " (the hook never fired or every token was masked; empty calibration data?)")
-            if "kfac" in self.kinds:
-                nograd = [n for n, lay in self.layers.items() if lay.stats.n_grad_tokens == 0]
-            elif "fisher_diag" in self.kinds:
-                nograd = [n for n, lay in self.layers.items() if lay.stats.n_fisher == 0]
-            else:
-                nograd = []
+            nograd = [n for n, lay in self.layers.items()
+                      if ("kfac" in lay.kinds and lay.stats.n_grad_tokens == 0)
+                      or ("kfac" not in lay.kinds and "fisher_diag" in lay.kinds and lay.stats.n_fisher == 0)]
             if nograd:
                 raise CalibrationError(f"no gradient reached {len(nograd)} target layer(s): {nograd[:10]} "
                                        "(the loss does not depend on them, or no backward pass was run)")

@@ -19,8 +19,9 @@ minimises ``||X W^T - X W_k^T||_F^2`` over rank-``k`` matrices and the minimum i
    (``sigma_i = sqrt(lambda_i)`` are the singular values of ``Y``);
    for a layer wider at the output (``m > n``) the exact reduction to the ``n x n`` problem
    ``Q^T C Q`` (``W = Q R``) of :func:`swift_svd_spectrum` gives the same eigenpairs at
-   ``O(m^2 n)`` instead of ``O(m^3)``; in float32 the extra error is bounded by
-   :func:`float32_excess_bound`;
+   ``O(m^2 n)`` instead of ``O(m^3)``, and at ``O(m n^2 + n^3)`` as ``R H R^T`` when the input
+   covariance ``H = X^T X`` was collected too (the pipeline's default, ``measure_error=True``); in
+   float32 the extra error is bounded by :func:`float32_excess_bound`;
 3. choose ``k`` (uniform budget, or the dynamic allocation below);
 4. ``B = V_k^T W`` (``k x n``), ``A = V_k`` (``m x k``): ``Linear(n -> k, B, no bias)`` then
    ``Linear(k -> m, A, bias b)``.
@@ -103,8 +104,8 @@ def _reduction_tol(dtype: torch.dtype) -> float:
     return float(torch.finfo(dtype).eps) ** 0.5
 
 
-def swift_svd_spectrum(C: Tensor, *, weight: Tensor | None = None, dtype: torch.dtype | None = torch.float64,
-                       name: str | None = None) -> tuple[Tensor, Tensor]:
+def swift_svd_spectrum(C: Tensor | None, *, weight: Tensor | None = None, input_cov: Tensor | None = None,
+                       dtype: torch.dtype | None = torch.float64, name: str | None = None) -> tuple[Tensor, Tensor]:
     """Step 2: ``eigh(C)`` sorted descending, negative eigenvalues clamped to 0; returns ``(lambda (m,), V (m, p))``.
 
     Without ``weight``, ``p = m`` (the full eigendecomposition). With the layer's ``weight`` ``W``
@@ -118,8 +119,16 @@ def swift_svd_spectrum(C: Tensor, *, weight: Tensor | None = None, dtype: torch.
     covariance of this very ``W`` (as the pipeline collects it); if more than ``sqrt(eps)`` of
     ``trace(C)`` lies outside ``span(W)`` (statistics of another weight), the full ``eigh`` runs instead.
 
+    With the input covariance ``input_cov`` ``H = X^T X`` (``n x n``) of the same tokens as well (the
+    pipeline collects it by default to measure every layer's error), the ``n x n`` problem is formed
+    without ``C``: ``Q^T C Q = Q^T W H W^T Q = R H R^T``, cost ``O(m n^2 + n^3)``, linear in ``m``
+    (``C`` may then be None). Exact in exact arithmetic; with streamed statistics ``C`` and ``W H W^T``
+    differ by the rounding of the model's forward pass only.
+
     Raises :class:`~rankwise.core.errors.NumericalError` naming the layer if ``C`` has NaN/Inf.
     """
+    if input_cov is not None and weight is not None and weight.ndim == 2 and weight.shape[0] > weight.shape[1]:
+        return _spectrum_from_input_cov(weight, input_cov, dtype or input_cov.dtype, name)
     if not isinstance(C, torch.Tensor) or C.ndim != 2 or C.shape[0] != C.shape[1]:
         raise ValueError(f"output covariance{_where(name)} must be a square matrix, got {getattr(C, 'shape', type(C))}")
     check_finite(C, "accumulated output covariance C", name)
@@ -149,6 +158,19 @@ def _reduced_spectrum(C: Tensor, W: Tensor, dtype: torch.dtype, name: str | None
     return lam, Q @ U
 
 
+def _spectrum_from_input_cov(W: Tensor, H: Tensor, dtype: torch.dtype, name: str | None) -> tuple[Tensor, Tensor]:
+    """``m > n``: the eigenpairs of ``C = W H W^T`` from the ``n x n`` matrix ``R H R^T`` (``W = Q R``)."""
+    m, n = W.shape
+    if not isinstance(H, torch.Tensor) or tuple(H.shape) != (n, n):
+        raise ValueError(f"input covariance{_where(name)} must be ({n}, {n}) for a weight of shape {(m, n)}, "
+                         f"got {tuple(getattr(H, 'shape', ()))}")
+    Hd = check_finite(H.detach().to(dtype), "accumulated input covariance H", name)
+    Q, R = torch.linalg.qr(check_finite(W.detach().to(Hd.device, dtype), "weight", name), mode="reduced")
+    lam_n, U = eigh_desc(R @ Hd @ R.mT, floor=0.0, dtype=dtype, name=name)
+    lam = torch.cat([lam_n, torch.zeros(m - n, dtype=lam_n.dtype, device=lam_n.device)])
+    return lam, Q @ U
+
+
 def float32_excess_bound(lam: Tensor, rank: int, size: int) -> float:
     """Bound on the extra error of the float32 factors over the float64 optimum, ``4 k p u lambda_1``.
 
@@ -173,13 +195,15 @@ def swift_svd_factors(
     rank: int,
     *,
     spectrum: tuple[Tensor, Tensor] | None = None,
+    input_cov: Tensor | None = None,
     dtype: torch.dtype = torch.float64,
     name: str | None = None,
 ) -> LowRankFactors:
     """Step 4: ``B = V_k^T W`` (``k x n``), ``A = V_k`` (``m x k``), so ``A B = V_k V_k^T W``.
 
     ``C`` is the ``m x m`` output covariance (or pass its ``spectrum = (lambda, V)`` from
-    :func:`swift_svd_spectrum`). A zero ``C`` (the layer's output is zero on the calibration data)
+    :func:`swift_svd_spectrum`; with ``input_cov`` ``H = X^T X`` and ``m > n`` it uses the ``R H R^T``
+    reduction and ``C`` may be None). A zero ``C`` (the layer's output is zero on the calibration data)
     gives the zero matrix (``B = 0``) with a warning.
     """
     if isinstance(W, nn.Linear):
@@ -189,9 +213,11 @@ def swift_svd_factors(
     W64 = check_finite(W.detach().to(dtype), "weight", name)
     m, n = W64.shape
     validate_rank(rank, n, m, name)
+    if spectrum is None and input_cov is not None and m > n:
+        spectrum = swift_svd_spectrum(C, weight=W64, input_cov=input_cov, dtype=dtype, name=name)
     if spectrum is None:
         if C is None:
-            raise ValueError("give C or spectrum")
+            raise ValueError("give C or spectrum" + (" (or input_cov for a layer wider at the output)" if m > n else ""))
         if tuple(C.shape) != (m, m):
             raise ValueError(f"output covariance{_where(name)} must be ({m}, {m}) for a weight of shape {(m, n)}, "
                              f"got {tuple(C.shape)}")
@@ -265,15 +291,20 @@ class SwiftSVD(LayerMethod):
     Reads the streamed output covariance (stats kind ``"output_cov"``, bias excluded). Options:
     ``compute_dtype`` (float64 default; float32 for speed on large layers, with the error bound of
     :func:`float32_excess_bound`). Layers wider at the output than at the input use the exact reduction
-    of :func:`swift_svd_spectrum`. :meth:`info` reports the predicted relative error
+    of :func:`swift_svd_spectrum`: ``R H R^T`` from the input covariance when it was collected (the
+    pipeline's default), else ``Q^T C Q``. :meth:`info` reports the predicted relative error
     ``sum_{i>k} lambda_i / sum_i lambda_i``, the normalised effective rank of ``Y`` (NER), the output
     energy ``||Y||_F^2`` and, in float32, ``float32_excess_bound_rel`` (the bound over the optimum).
     """
 
     name = "swift-svd"
     aliases = ("swiftsvd", "swift")
-    needs = ("output_cov",)
+    needs = ("output_cov", "input_cov")
     config_class = SwiftSVDConfig
+
+    def needs_for(self, out_features: int, in_features: int) -> tuple[str, ...]:
+        # wider at the output: the n x n input covariance gives R H R^T (C, m x m, is never collected)
+        return ("input_cov",) if out_features > in_features else ("output_cov",)
 
     def __init__(self, *, compute_dtype: torch.dtype = torch.float64):
         self.compute_dtype = check_dtype("SwiftSVD.compute_dtype", compute_dtype)
@@ -292,11 +323,16 @@ class SwiftSVD(LayerMethod):
         key = f"eigh:{name}:{self.compute_dtype}"
         spec = self.cache.get(key) if self.cache is not None else None
         if spec is None:
-            C = stats.output_cov(normalized=False)
-            if tuple(C.shape) != (m, m):
-                raise ValueError(f"layer {name!r}: output covariance of shape {tuple(C.shape)} does not fit a "
-                                 f"{m} x {n} weight")
-            spec = swift_svd_spectrum(C, weight=layer.weight, dtype=self.compute_dtype, name=name)
+            if m > n and stats.xtx is not None:
+                # R H R^T: the n x n problem without touching the m x m C (measure_error collects H by default)
+                spec = swift_svd_spectrum(None, weight=layer.weight, input_cov=stats.input_cov(normalized=False),
+                                          dtype=self.compute_dtype, name=name)
+            else:
+                C = stats.output_cov(normalized=False)
+                if tuple(C.shape) != (m, m):
+                    raise ValueError(f"layer {name!r}: output covariance of shape {tuple(C.shape)} does not fit a "
+                                     f"{m} x {n} weight")
+                spec = swift_svd_spectrum(C, weight=layer.weight, dtype=self.compute_dtype, name=name)
             if self.cache is not None:
                 self.cache[key] = spec
         with warnings.catch_warnings():
