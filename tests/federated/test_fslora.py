@@ -334,3 +334,17 @@ def test_global_adapter_saves(task, tmp_path):
     s = run("fslora", task, cfg(), rounds=1)
     p = s.global_adapter.save(tmp_path / "g.safetensors")
     assert AdapterState.load(p).allclose(s.global_adapter)
+
+
+def test_evaluate_model_lists_per_example_correctness():
+    from rankwise.federated.tasks import evaluate_model
+
+    task = SyntheticTask(num_clients=2, per_client=8, n_test=50, d_in=8, hidden=16)
+    model, data = task.build_model(), task.test_data()
+    hits: list[float] = []
+    loss, acc = evaluate_model(model, data, batch_size=16, per_example=hits)
+    with torch.no_grad():
+        inputs, y = data.select(torch.arange(len(data)))
+        expected = (model(**inputs).argmax(-1) == y).double().tolist()
+    assert hits == expected and sum(hits) / len(hits) == pytest.approx(acc)
+    assert evaluate_model(model, data, batch_size=7)[0] == pytest.approx(loss, rel=1e-9)

@@ -293,3 +293,36 @@ def test_search_finds_the_best_scale_on_a_validation_callback():
     assert all(h[0]["density"] == 0.25 for h in history)  # TA: the density is not searched
     with pytest.raises(TypeError, match="callable"):
         search(ads, 3.0)
+
+
+@pytest.mark.parametrize("T,r_t,rank", [(5, 4, 4), (8, 16, 16), (3, 8, 2)])
+def test_warm_started_hooi_follows_the_eigh_iterates(T, r_t, rank):
+    # the sweep updates from subspace iteration (warm start) are the exact eigh updates to ~1e-9: same
+    # number of sweeps, same objective, same factors (up to the sign convention both apply)
+    g = torch.Generator().manual_seed(T * 100 + r_t)
+    R = T * r_t
+    M = torch.randn(T, R, R, generator=g, dtype=torch.float64) * torch.logspace(0, -2, R, dtype=torch.float64)
+    for tol in (1e-6, 1e-10):
+        a, b = tucker2(M, rank, tol=tol), tucker2(M, rank, tol=tol, warm=False)
+        assert a.iterations == b.iterations and a.converged == b.converged
+        assert a.objective == pytest.approx(b.objective, rel=1e-12)
+        assert float((a.P - b.P).abs().max()) < 1e-7 and float((a.S - b.S).abs().max()) < 1e-7
+
+
+def test_warm_start_gives_up_on_a_slow_subspace_and_tucker2_falls_back_to_eigh(monkeypatch):
+    import rankwise.merge.ctm as ctm
+
+    # G's eigenvalues 3, 1, 1, 0.5: from a start half in the 0.5-eigenvector the error decays as 0.5^k, far
+    # from the residual tolerance after WARM_STEPS steps: no answer, the caller runs eigh
+    X = torch.diag(torch.tensor([3.0, 1.0, 1.0, 0.5], dtype=torch.float64).sqrt())  # G = X X^T
+    V0 = torch.linalg.qr(torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 0.0], [0.0, 1.0]], dtype=torch.float64)).Q
+    assert ctm._top_eigvecs_warm(X, V0) is None
+    # with a gap it converges to the eigh answer
+    X2 = torch.diag(torch.tensor([3.0, 2.0, 0.01, 0.001], dtype=torch.float64).sqrt())
+    V, top = ctm._top_eigvecs_warm(X2, V0)
+    assert float(top) == pytest.approx(5.0) and torch.allclose(V.abs(), torch.eye(4, 2, dtype=torch.float64), atol=1e-10)
+    # no step allowed: every sweep falls back to eigh and gives exactly the eigh iterates
+    monkeypatch.setattr(ctm, "WARM_STEPS", 0)
+    M = torch.randn(4, 12, 12, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    a, b = tucker2(M, 3), tucker2(M, 3, warm=False)
+    assert torch.equal(a.P, b.P) and torch.equal(a.S, b.S) and a.iterations == b.iterations

@@ -132,8 +132,12 @@ def dirichlet_partition(labels: Sequence[int] | np.ndarray | torch.Tensor, num_c
 
 
 @torch.no_grad()
-def evaluate_model(model: nn.Module, data: TensorData, batch_size: int = 256) -> tuple[float, float]:
-    """Mean cross-entropy and accuracy of ``model`` on ``data`` (eval mode, restored afterwards)."""
+def evaluate_model(model: nn.Module, data: TensorData, batch_size: int = 256, *,
+                   per_example: list[float] | None = None) -> tuple[float, float]:
+    """Mean cross-entropy and accuracy of ``model`` on ``data`` (eval mode, restored afterwards).
+
+    ``per_example``: a list that receives 1.0 / 0.0 per example (predicted right or not), in order.
+    """
     was = model.training
     model.eval()
     loss, correct = 0.0, 0
@@ -142,7 +146,10 @@ def evaluate_model(model: nn.Module, data: TensorData, batch_size: int = 256) ->
             inputs, y = data.select(torch.arange(s, min(len(data), s + batch_size)))
             logits = model(**inputs)
             loss += float(nn.functional.cross_entropy(logits.double(), y, reduction="sum"))
-            correct += int((logits.argmax(-1) == y).sum())
+            right = logits.argmax(-1) == y
+            correct += int(right.sum())
+            if per_example is not None:
+                per_example += right.double().tolist()
     finally:
         model.train(was)
     n = max(1, len(data))

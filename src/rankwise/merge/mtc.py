@@ -56,7 +56,7 @@ from rankwise.merge.common import (
     sign_fix,
     truncate,
 )
-from rankwise.merge.rules import canonical_rule, merge_tensors
+from rankwise.merge.rules import canonical_rule, merge_tensors, needs_seeds
 
 __all__ = ["SPACES", "MergeConfig", "describe", "merge", "merged_delta_module", "merged_deltas", "mtc_merge"]
 
@@ -104,7 +104,8 @@ def merged_delta_module(inputs: MergeInputs, module: str, cfg: MergeConfig) -> T
     Bs, As, _ = module_factors(inputs, module)
     if not Bs:
         return torch.zeros(m, n, dtype=FP)
-    seeds = [adapter_seed(cfg.seed, module, b, a) for b, a in zip(Bs, As)]
+    # the seeds hash every factor's bytes: only DARE's random masks need them
+    seeds = [adapter_seed(cfg.seed, module, b, a) for b, a in zip(Bs, As)] if needs_seeds(cfg.rule) else None
     kw: dict[str, Any] = dict(density=cfg.density, drop_rate=cfg.drop_rate, seeds=seeds)
     if cfg.space == "full":
         if cfg.rule in ("ta", "iso_c", "mean"):  # linear rules: accumulate, never hold T dense matrices

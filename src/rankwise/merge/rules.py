@@ -28,7 +28,7 @@ from typing import Any, Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["RULES", "RULE_ALIASES", "canonical_rule", "merge_tensors"]
+__all__ = ["RULES", "RULE_ALIASES", "canonical_rule", "merge_tensors", "needs_seeds"]
 
 RULES: tuple[str, ...] = ("ta", "mean", "ties", "dare", "dare_ties", "iso_c")
 #: accepted spellings of the rules (lower-cased before the look-up)
@@ -80,6 +80,11 @@ def _dare_drop(x: Tensor, drop_rate: float, seeds: Sequence[int]) -> Tensor:
         keep = torch.rand(x[t].shape, generator=g, dtype=torch.float64) >= drop_rate
         out[t] = x[t] * keep.to(x.dtype) / (1.0 - drop_rate)
     return out
+
+
+def needs_seeds(rule: str) -> bool:
+    """Whether ``rule`` draws random masks (DARE, DARE-TIES): only then :func:`merge_tensors` takes seeds."""
+    return canonical_rule(rule) not in ("ta", "iso_c", "mean", "ties")
 
 
 def merge_tensors(x: Tensor, rule: str, *, density: float = 0.25, drop_rate: float = 0.05,

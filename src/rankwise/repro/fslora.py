@@ -66,7 +66,7 @@ from rankwise.core import io
 from rankwise.federated import FSLoRAConfig
 from rankwise.federated.client import make_client_fn
 from rankwise.federated.runner import build_strategy, run_federated
-from rankwise.federated.tasks import TensorData, dirichlet_partition
+from rankwise.federated.tasks import TensorData, dirichlet_partition, evaluate_model
 from rankwise.core.lora import set_state
 from rankwise.repro.result import ClaimCheck, Precondition, Table
 from rankwise.repro.skeleton import Records, Reproduction, Settings, pyplot, save_figure, setting
@@ -296,23 +296,16 @@ def _head_bytes(task: MiniLMTask) -> int:
 def _final_eval(task: MiniLMTask, adapter: Any, head: dict[str, torch.Tensor], batch_size: int = 256
                 ) -> tuple[list[float], float]:
     """One pass over the test set with the global model (adapter + head): 1.0 / 0.0 per test example (whether it
-    is predicted right) and the mean cross-entropy, computed as the server-side evaluation
-    (:func:`rankwise.federated.tasks.evaluate_model`) does, so the last round needs one pass, not two."""
+    is predicted right) and the mean cross-entropy, from the server-side evaluation
+    (:func:`rankwise.federated.tasks.evaluate_model`), so the last round needs one pass, not two."""
     model = task.build_model()
     set_state(model, adapter, "default", check_base=False)
     params = dict(model.named_parameters())
     for n, t in head.items():
         params[n].copy_(t.to(params[n].dtype))
-    model.eval()
-    data = task.test_data()
     hits: list[float] = []
-    loss = 0.0
-    for s in range(0, len(data), batch_size):
-        inputs, y = data.select(torch.arange(s, min(len(data), s + batch_size)))
-        logits = model(**inputs)
-        loss += float(torch.nn.functional.cross_entropy(logits.double(), y, reduction="sum"))
-        hits += (logits.argmax(-1) == y).double().tolist()
-    return hits, loss / max(1, len(data))
+    loss, _ = evaluate_model(model, task.test_data(), batch_size, per_example=hits)
+    return hits, loss
 
 
 def _run_one(task: MiniLMTask, method: str, cfg: FSLoRAConfig, rounds: int, eval_every: int = 1,
