@@ -139,7 +139,7 @@ def _measured(name: str, data: dict[str, Any]) -> list[str]:
         lines += ["| metric | value | goal | met |", "|---|---|---|---|"]
         for m in metrics:
             lines.append(f"| {m['name']} | {m['value'] if isinstance(m['value'], str) else _num(m['value'], 4)} "
-                         f"{m.get('unit', '')} | {m.get('goal', '-')} | {_met(m.get('met'))} |")
+                         f"{m.get('unit', '')} | {m.get('goal', '-')} | {_met(m.get('met')) if 'goal' in m else '-'} |")
         lines.append("")
     return lines
 

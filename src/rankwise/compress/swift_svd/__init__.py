@@ -177,8 +177,8 @@ def float32_excess_bound(lam: Tensor, rank: int, size: int) -> float:
     ``lam``: the spectrum of ``C`` (descending); ``rank``: ``k``; ``size``: ``p``, the order of the
     eigenproblem actually solved (``min(m, n)`` with the reduction of :func:`swift_svd_spectrum`, ``m``
     without); ``u = 2^-24``. Derivation: the float32 path computes the exact top-``k`` eigenvectors
-    ``P'`` of a perturbed ``C + Delta`` (rounding ``C``, ``W`` and ``Q`` to float32, backward-stable
-    ``eigh``: ``||Delta||_2 <= c p u lambda_1``); since ``P'`` is optimal for ``C + Delta``,
+    ``P'`` of a perturbed ``C + Delta`` (rounding ``C`` or ``H``, ``W``, ``Q`` and ``R`` to float32,
+    backward-stable ``eigh``: ``||Delta||_2 <= c p u lambda_1``); since ``P'`` is optimal for ``C + Delta``,
     ``tr(P C) - tr(P' C) <= 2 k ||Delta||_2``, and the loss of orthogonality of the float32 ``V_k`` adds a
     term of the same order; ``c = 2`` covers both (the tests check it on random wide and tall layers).
     The error is the absolute ``||X W^T - X B^T A^T||_F^2`` of :func:`swift_svd_error`. Float32 is accurate
