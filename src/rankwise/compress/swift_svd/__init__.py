@@ -146,15 +146,20 @@ def swift_svd_spectrum(C: Tensor | None, *, weight: Tensor | None = None, input_
 
 def _reduced_spectrum(C: Tensor, W: Tensor, dtype: torch.dtype, name: str | None) -> tuple[Tensor, Tensor] | None:
     """The exact reduction of :func:`swift_svd_spectrum` (``m > n``); None if ``C`` is not in ``span(W)``."""
-    m, n = W.shape
+    m = W.shape[0]
     Cd = C.to(dtype)
     Q = torch.linalg.qr(check_finite(W.detach().to(Cd.device, dtype), "weight", name), mode="reduced").Q
     M = Q.mT @ (Cd @ Q)
     total = float(torch.diagonal(Cd).sum())
     if total > 0 and abs(total - float(torch.diagonal(M).sum())) > _reduction_tol(dtype) * total:
         return None
+    return _lift(M, Q, m, dtype, name)
+
+
+def _lift(M: Tensor, Q: Tensor, m: int, dtype: torch.dtype, name: str | None) -> tuple[Tensor, Tensor]:
+    """Eigenpairs of the ``n x n`` reduced matrix ``M`` mapped back to ``m`` dims: ``(lambda (m,), Q U (m, n))``."""
     lam_n, U = eigh_desc(M, floor=0.0, dtype=dtype, name=name)
-    lam = torch.cat([lam_n, torch.zeros(m - n, dtype=lam_n.dtype, device=lam_n.device)])
+    lam = torch.cat([lam_n, torch.zeros(m - M.shape[0], dtype=lam_n.dtype, device=lam_n.device)])
     return lam, Q @ U
 
 
@@ -166,9 +171,7 @@ def _spectrum_from_input_cov(W: Tensor, H: Tensor, dtype: torch.dtype, name: str
                          f"got {tuple(getattr(H, 'shape', ()))}")
     Hd = check_finite(H.detach().to(dtype), "accumulated input covariance H", name)
     Q, R = torch.linalg.qr(check_finite(W.detach().to(Hd.device, dtype), "weight", name), mode="reduced")
-    lam_n, U = eigh_desc(R @ Hd @ R.mT, floor=0.0, dtype=dtype, name=name)
-    lam = torch.cat([lam_n, torch.zeros(m - n, dtype=lam_n.dtype, device=lam_n.device)])
-    return lam, Q @ U
+    return _lift(R @ Hd @ R.mT, Q, m, dtype, name)
 
 
 def float32_excess_bound(lam: Tensor, rank: int, size: int) -> float:

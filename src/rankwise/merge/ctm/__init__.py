@@ -188,6 +188,8 @@ def _top_eigvecs(G: Tensor, r: int) -> tuple[Tensor, Tensor]:
 WARM_RESIDUAL = 1e-11
 #: Subspace-iteration steps :func:`_top_eigvecs_warm` tries before it falls back to a full ``eigh``.
 WARM_STEPS = 8
+#: Smallest ``R`` at which :func:`tucker2` tries warm starts at all.
+WARM_MIN_R = 64
 
 
 def _top_eigvecs_warm(X: Tensor, V0: Tensor) -> tuple[Tensor, Tensor] | None:
@@ -203,7 +205,8 @@ def _top_eigvecs_warm(X: Tensor, V0: Tensor) -> tuple[Tensor, Tensor] | None:
     converge (a small gap at ``w_r``, or early sweeps that still move far); the caller then runs eigh.
     """
     GV = X @ (X.T @ V0)
-    for _ in range(WARM_STEPS):
+    last = math.inf
+    for step in range(WARM_STEPS):
         Q = torch.linalg.qr(GV).Q
         B = X.T @ Q
         w, Y = torch.linalg.eigh(B.T @ B)
@@ -212,8 +215,15 @@ def _top_eigvecs_warm(X: Tensor, V0: Tensor) -> tuple[Tensor, Tensor] | None:
         top = float(w[0])
         if top <= 0.0:
             return None
-        if float(torch.linalg.matrix_norm(GV - V * w)) <= WARM_RESIDUAL * top:
+        res = float(torch.linalg.matrix_norm(GV - V * w)) / top
+        if res <= WARM_RESIDUAL:
             return V, w.sum()
+        # give up early when the residual's decay rate cannot reach the tolerance in the steps left
+        rate = res / last
+        left = WARM_STEPS - 1 - step
+        if rate >= 1.0 or (left and res * rate ** left > WARM_RESIDUAL):
+            return None
+        last = res
     return None
 
 
@@ -229,10 +239,36 @@ def _gram(Y: Tensor) -> Tensor:
     return X @ X.T
 
 
-def _update(Y: Tensor, V0: Tensor, r: int, warm: bool) -> tuple[Tensor, Tensor]:
-    """One HOOI factor update: the top-``r`` left singular vectors of ``[Y_1 ... Y_T]`` and their energy."""
-    X = _unfold(Y)
-    return (warm and _top_eigvecs_warm(X, V0)) or _top_eigvecs(X @ X.T, r)
+class _Updater:
+    """HOOI factor updates of one factor: the top-``r`` left singular vectors of ``[Y_1 ... Y_T]`` and
+    their energy, warm-started (:func:`_top_eigvecs_warm`) when that has been paying off.
+
+    A warm start that does not converge costs its :data:`WARM_STEPS` steps on top of the ``eigh``; it
+    happens while the factors still move far between sweeps, and on some problems throughout. So after a
+    failure the next 1, 2, 4, ... updates go straight to ``eigh`` (the wait doubles with each failure and
+    resets on a success): a problem where warm starts never converge pays for about ``log2(sweeps)``
+    failed attempts, not one per update.
+    """
+
+    def __init__(self, r: int, warm: bool, R: int):
+        # below WARM_MIN_R the R x R eigh costs less than a few small products and a QR
+        self.r, self.warm = r, warm and R >= WARM_MIN_R
+        self.skip, self.wait = 0, 1
+        self.warm_ok = self.warm_failed = 0
+
+    def __call__(self, Y: Tensor, V0: Tensor) -> tuple[Tensor, Tensor]:
+        X = _unfold(Y)
+        if self.warm and self.skip == 0:
+            got = _top_eigvecs_warm(X, V0)
+            if got is not None:
+                self.warm_ok += 1
+                self.wait = 1
+                return got
+            self.warm_failed += 1
+            self.skip, self.wait = self.wait, 2 * self.wait
+        elif self.skip:
+            self.skip -= 1
+        return _top_eigvecs(X @ X.T, self.r)
 
 
 def tucker2(M: Tensor, rank: int, *, iters: int = 1000, tol: float = 1e-6, warm: bool = True) -> HOOIResult:
@@ -248,7 +284,7 @@ def tucker2(M: Tensor, rank: int, *, iters: int = 1000, tol: float = 1e-6, warm:
     extra product); all of it on one intra-op thread (:func:`_one_thread`). The HOSVD init runs
     ``eigh``; each sweep's update starts from the previous factor and iterates on its subspace to a
     residual of :data:`WARM_RESIDUAL` (:func:`_top_eigvecs_warm`; exact eigenpairs to that accuracy,
-    falling back to ``eigh`` when they do not converge in :data:`WARM_STEPS` steps). ``warm=False``
+    falling back to ``eigh`` when they do not converge in :data:`WARM_STEPS` steps, with a back-off: :class:`_Updater`). ``warm=False``
     runs ``eigh`` every time (the same iterates to ~1e-9; the tests compare them).
 
     Stopping rule (tensorly's ``partial_tucker`` criterion): the relative reconstruction error
@@ -277,9 +313,10 @@ def tucker2(M: Tensor, rank: int, *, iters: int = 1000, tol: float = 1e-6, warm:
         if converged:
             return HOOIResult(sign_fix(P)[0], sign_fix(S)[0], obj0, obj, 0, True, err)
         # column signs do not matter inside the loop (the Gram matrices depend on span(P), span(S) only)
+        update_P, update_S = _Updater(rank, warm, R), _Updater(rank, warm, R)
         for it in range(1, iters + 1):
-            P = _update(M @ S, P, rank, warm)[0]
-            S, top = _update(Mt @ P, S, rank, warm)
+            P = update_P(M @ S, P)[0]
+            S, top = update_S(Mt @ P, S)
             obj = float(top)
             new_err = math.sqrt(max(0.0, 1.0 - obj / total))
             if abs(err - new_err) < tol:
