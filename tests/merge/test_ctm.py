@@ -308,13 +308,13 @@ def _spy_warm(monkeypatch):
     import rankwise.merge.ctm as ctm
 
     seen = {"ok": 0, "failed": 0}
-    real = ctm._top_eigvecs_warm
+    real = ctm._Warm.__call__
 
-    def spy(X, V0):
-        out = real(X, V0)
+    def spy(self, X, V0):
+        out = real(self, X, V0)
         seen["ok" if out is not None else "failed"] += 1
         return out
-    monkeypatch.setattr(ctm, "_top_eigvecs_warm", spy)
+    monkeypatch.setattr(ctm._Warm, "__call__", spy)
     return seen
 
 
@@ -332,11 +332,44 @@ def test_warm_started_hooi_follows_the_eigh_iterates(monkeypatch, D, T, r_t, ran
     assert float((a.P - b.P).abs().max()) < 1e-7 and float((a.S - b.S).abs().max()) < 1e-7
 
 
+def test_factored_products_give_the_same_hooi(monkeypatch):
+    import rankwise.merge.ctm as ctm
+
+    # M_t = L_t K_t^T: the sweeps' products through the factors are the same products
+    g = torch.Generator().manual_seed(5)
+    L = torch.randn(6, 96, 12, generator=g, dtype=torch.float64)
+    K = torch.randn(6, 96, 12, generator=g, dtype=torch.float64)
+    M = L @ K.mT
+    a, b = tucker2(M, 10, tol=1e-9), tucker2(M, 10, tol=1e-9, factors=(L, K))
+    assert a.iterations == b.iterations > 3
+    assert a.objective == pytest.approx(b.objective, rel=1e-12)
+    assert float((a.P - b.P).abs().max()) < 1e-8 and float((a.S - b.S).abs().max()) < 1e-8
+    with pytest.raises(ValueError, match="do not reproduce M"):
+        tucker2(M, 10, factors=(L, 2 * K))
+    with pytest.raises(ValueError, match=r"\(T, R, k\)"):
+        tucker2(M, 10, factors=(L[:, :90], K[:, :90]))
+    with pytest.raises(TypeError, match="pair of tensors"):
+        tucker2(M, 10, factors=L)
+
+
+def test_core_factors_reproduce_core_matrices():
+    from rankwise.merge.common import core_factors
+
+    g = torch.Generator().manual_seed(2)
+    Bs = [torch.randn(40, r, generator=g, dtype=torch.float64) for r in (3, 5, 4)]  # unequal ranks: padding
+    As = [torch.randn(r, 30, generator=g, dtype=torch.float64) for r in (3, 5, 4)]
+    U_B, V_A = core_bases(Bs, As)
+    L, K = core_factors(U_B, V_A, Bs, As)
+    assert L.shape == K.shape == (3, 12, 5)
+    M = torch.stack([(U_B.T @ b) @ (a @ V_A) for b, a in zip(Bs, As)])  # the definition, block by block
+    assert torch.allclose(L @ K.mT, M, atol=1e-12) and torch.equal(core_matrices(U_B, V_A, Bs, As), L @ K.mT)
+
+
 def test_failed_warm_starts_back_off(monkeypatch):
     import rankwise.merge.ctm as ctm
 
-    # every warm start fails (no step allowed): after each failure the wait before the next try doubles,
-    # so about log2(sweeps) attempts per factor, not one per update
+    # every warm start fails (no product allowed beyond the first): after each failure the wait before the
+    # next try doubles, so about log2(sweeps) attempts per factor, not one per update
     monkeypatch.setattr(ctm, "WARM_STEPS", 1)
     monkeypatch.setattr(ctm, "WARM_RESIDUAL", 0.0)
     seen = _spy_warm(monkeypatch)
@@ -349,15 +382,20 @@ def test_warm_start_gives_up_on_a_slow_subspace_and_tucker2_falls_back_to_eigh(m
     import rankwise.merge.ctm as ctm
 
     # G's eigenvalues 3, 1, 1, 0.5: from a start half in the 0.5-eigenvector the error decays as 0.5^k, far
-    # from the residual tolerance after WARM_STEPS steps: no answer, the caller runs eigh
+    # from the residual tolerance after WARM_STEPS products: no answer, the caller runs eigh
     X = torch.diag(torch.tensor([3.0, 1.0, 1.0, 0.5], dtype=torch.float64).sqrt())  # G = X X^T
     V0 = torch.linalg.qr(torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 0.0], [0.0, 1.0]], dtype=torch.float64)).Q
-    assert ctm._top_eigvecs_warm(X, V0) is None
-    # with a gap it converges to the eigh answer
+    assert ctm._Warm()(X, V0) is None
+    # with a gap it converges to the top eigenspace; the Ritz basis is the eigh answer
     X2 = torch.diag(torch.tensor([3.0, 2.0, 0.01, 0.001], dtype=torch.float64).sqrt())
-    V, top = ctm._top_eigvecs_warm(X2, V0)
-    assert float(top) == pytest.approx(5.0) and torch.allclose(V.abs(), torch.eye(4, 2, dtype=torch.float64), atol=1e-10)
-    # no step allowed: every sweep falls back to eigh and gives exactly the eigh iterates
+    Q, top = ctm._Warm()(X2, V0)
+    assert float(top) == pytest.approx(5.0)
+    assert torch.allclose(ctm._ritz(X2, Q).abs(), torch.eye(4, 2, dtype=torch.float64), atol=1e-10)
+    # the measured rate predicts the products of the next update: one check suffices
+    w = ctm._Warm()
+    w(X2, V0)
+    assert 0.0 < w.rate < 0.05  # lambda_3 / lambda_2 = 0.005, up to the residual's constant
+    # no warm start allowed: every sweep falls back to eigh and gives exactly the eigh iterates
     monkeypatch.setattr(ctm, "WARM_STEPS", 0)
     M = torch.randn(3, 64, 64, generator=torch.Generator().manual_seed(1), dtype=torch.float64)  # R >= WARM_MIN_R
     a, b = tucker2(M, 3), tucker2(M, 3, warm=False)

@@ -10,7 +10,8 @@ every such method repeats:
   adapters; :func:`adapter_seed` seeds per-adapter randomness from the factors themselves, so that
   a result does not depend on the order of the adapters;
 * :func:`core_bases` / :func:`core_matrices`: the Core-Space representation ``ΔW_t = U_B M_t V_Aᵀ``
-  (used by Core-Space merging and by CtM's first two steps);
+  (used by Core-Space merging and by CtM's first two steps), with ``M_t = L_t K_tᵀ`` from
+  :func:`core_factors`;
 * :func:`truncate` / :func:`lowrank_factors`: the best rank-r factors by SVD (Eckart–Young), with the
   Iso-C flattening of the kept singular values as an option (:func:`flatten_isotropic`);
 * :func:`out_state` checks the merged factors and builds the output state (alpha = r, scaling 1).
@@ -40,6 +41,7 @@ __all__ = [
     "check_adapters",
     "check_rank_fits",
     "core_bases",
+    "core_factors",
     "core_matrices",
     "flatten_isotropic",
     "lowrank_factors",
@@ -245,9 +247,28 @@ def core_bases(Bs: Sequence[Tensor], As: Sequence[Tensor]) -> tuple[Tensor, Tens
     return U_B, V_A
 
 
+def core_factors(U_B: Tensor, V_A: Tensor, Bs: Sequence[Tensor], As: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
+    """``L_t = U_Bᵀ B_t`` and ``K_t = V_Aᵀ A_tᵀ`` stacked ``(T, R, k)`` (``k = max r_t``, zero-padded), so
+    that the core matrices are ``M_t = L_t K_tᵀ`` (:func:`core_matrices`): two ``R x (m or n) x R``
+    products instead of ``2 T`` thin ones."""
+    ranks = [int(b.shape[1]) for b in Bs]
+    Lc = U_B.T @ torch.cat([b.to(FP) for b in Bs], 1)           # (R, Σ r_t), column block t = U_Bᵀ B_t
+    Kc = (torch.cat([a.to(FP) for a in As], 0) @ V_A).T         # (R, Σ r_t), column block t = V_Aᵀ A_tᵀ
+    T, R, k = len(ranks), Lc.shape[0], max(ranks)
+    if all(r == k for r in ranks):
+        return (Lc.view(R, T, k).permute(1, 0, 2).contiguous(), Kc.view(R, T, k).permute(1, 0, 2).contiguous())
+    L, K = Lc.new_zeros(T, R, k), Kc.new_zeros(T, R, k)
+    start = 0
+    for t, r in enumerate(ranks):
+        L[t, :, :r], K[t, :, :r] = Lc[:, start:start + r], Kc[:, start:start + r]
+        start += r
+    return L, K
+
+
 def core_matrices(U_B: Tensor, V_A: Tensor, Bs: Sequence[Tensor], As: Sequence[Tensor]) -> Tensor:
     """``M_t = (U_Bᵀ B_t)(A_t V_A)`` stacked, ``(T, R, R)`` (CtM step 2; Core Space Eq. for M_t)."""
-    return torch.stack([(U_B.T @ b.to(FP)) @ (a.to(FP) @ V_A) for b, a in zip(Bs, As)])
+    L, K = core_factors(U_B, V_A, Bs, As)
+    return L @ K.mT
 
 
 # ------------------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ Per adapted linear layer, independently and data-free (``ΔW_t = s_t B_t A_t``, 
 8. output a rank-r LoRA, alpha = r (scaling 1): ``B = λ U_r X Σ^{1/2}``, ``A = Σ^{1/2} Yᵀ V_rᵀ`` with
    ``C = X Σ Yᵀ`` (the balanced split is our choice; ``balance=False`` gives ``B = λ U_r C``, ``A = V_rᵀ``).
 
-Nothing ``m x n`` is ever formed: cost O((m + n) R²) for step 1, O(T R² r) per HOOI sweep,
+Nothing ``m x n`` is ever formed: cost O((m + n) R²) for step 1, O(T R r_t r) per HOOI sweep's products,
 memory O((m + n) R + T R²). ``rank(ΔW) <= r`` by construction.
 
 Usage::
@@ -56,7 +56,7 @@ from rankwise.merge.common import (
     check_adapters,
     check_rank_fits,
     core_bases,
-    core_matrices,
+    core_factors,
     lowrank_factors,
     module_factors,
     out_state,
@@ -127,13 +127,17 @@ class CtMConfig:
 # steps 3-4: norm balancing and Tucker-2 by HOOI
 # ------------------------------------------------------------------------------------------------
 
-def balance_norms(M: Tensor, beta: float) -> Tensor:
-    """Step 3: ``M̃_t = M_t (β ν_t + (1 - β) ν̄) / ν_t`` for ``M (T, R, R)``; ``ν_t = ||M_t||_F > 0`` required."""
+def _balance_scale(M: Tensor, beta: float) -> Tensor:
+    """The per-task factors ``(β ν_t + (1 - β) ν̄) / ν_t`` of :func:`balance_norms`, ``(T,)``."""
     nu = M.reshape(M.shape[0], -1).norm(dim=1)
     if bool((nu <= 0).any()):
         raise ValueError("balance_norms: a core matrix has zero norm (zero adapters must be skipped first)")
-    target = beta * nu + (1.0 - beta) * nu.mean()
-    return M * (target / nu)[:, None, None]
+    return (beta * nu + (1.0 - beta) * nu.mean()) / nu
+
+
+def balance_norms(M: Tensor, beta: float) -> Tensor:
+    """Step 3: ``M̃_t = M_t (β ν_t + (1 - β) ν̄) / ν_t`` for ``M (T, R, R)``; ``ν_t = ||M_t||_F > 0`` required."""
+    return M * _balance_scale(M, beta)[:, None, None]
 
 
 def tucker_objective(M: Tensor, P: Tensor, S: Tensor) -> float:
@@ -183,48 +187,85 @@ def _top_eigvecs(G: Tensor, r: int) -> tuple[Tensor, Tensor]:
     return V[:, -r:].flip(1).contiguous(), w[-r:].sum()
 
 
-#: Relative residual ``||G V - V diag(w)||_F <= WARM_RESIDUAL * w_1`` at which :func:`_top_eigvecs_warm`
-#: accepts its Ritz pairs (eigh itself leaves ~1e-15 * w_1).
+#: Relative residual ``||G Q - Q (Qᵀ G Q)||_F <= WARM_RESIDUAL * w_1`` at which a warm-started update
+#: accepts its subspace ``span(Q)`` as the top-``r`` eigenspace of ``G`` (eigh itself leaves ~1e-15 * w_1).
 WARM_RESIDUAL = 1e-11
-#: Subspace-iteration steps :func:`_top_eigvecs_warm` tries before it falls back to a full ``eigh``.
-WARM_STEPS = 8
+#: Most applications of ``G`` one warm-started update may spend before it gives up (the caller runs eigh).
+WARM_STEPS = 12
 #: Smallest ``R`` at which :func:`tucker2` tries warm starts at all.
 WARM_MIN_R = 64
 
 
-def _top_eigvecs_warm(X: Tensor, V0: Tensor) -> tuple[Tensor, Tensor] | None:
-    """The top-``r`` eigenpairs of ``G = X Xᵀ`` (``X (R, T r)``) as :func:`_top_eigvecs` gives them, started
-    from ``V0 (R, r)`` (the previous sweep's factor) and without forming ``G``.
+class _Warm:
+    """One factor's warm-started HOOI updates: an orthonormal basis of the top-``r`` eigenspace of
+    ``G = Xtᵀ Xt`` (``Xt (T r, R)``: the rows of ``X = [Y_1 ... Y_T]ᵀ``, in any order), started from the
+    previous sweep's basis ``Q0`` and never forming ``G``.
 
-    Subspace iteration with Rayleigh-Ritz: ``Q = orth(G V)``, ``V = Q Y`` with ``Y`` the eigenvectors of
-    the ``r x r`` matrix ``Qᵀ G Q = (XᵀQ)ᵀ(XᵀQ)``, until the residual ``||G V - V diag(w)||_F`` of the
-    Ritz pairs is at most :data:`WARM_RESIDUAL` ``* w_1`` (the Ritz pairs are then eigenpairs to that
-    accuracy). A step costs four ``R x T r x r`` products, a thin QR and an ``r x r`` eigh, against an
-    ``R x R x T r`` product and an ``R x R`` eigh for the direct route. Near a HOOI fixed point ``V0``
-    is nearly invariant and one or two steps suffice. Returns None when :data:`WARM_STEPS` steps do not
-    converge (a small gap at ``w_r``, or early sweeps that still move far); the caller then runs eigh.
+    HOOI only needs the *subspace* in every sweep (the next Gram matrix and the objective depend on
+    ``span(P)``, ``span(S)`` only), so an update is plain subspace iteration: ``Z = G^k Q0``, ``Q =
+    orth(Z)``, accepted once ``||G Q - Q H||_F <= WARM_RESIDUAL * w_1`` with ``H = Qᵀ G Q`` (``span(Q)`` is
+    then the top-``r`` eigenspace to that accuracy and ``tr H`` the kept energy). The eigenvector basis
+    itself is computed once, after the last sweep (:func:`_ritz`).
+
+    The number of applications ``k`` before the first check is the previous update's (the start's
+    distance changes little from sweep to sweep), one fewer when the previous check passed with room for
+    one more factor ``q ≈ λ_{r+1} / λ_r`` (the residual's decrease per application, measured whenever a
+    check misses). A check that misses continues from ``G Q`` with ``⌈log(tol / res) / log q⌉ - 1``
+    more; one check per update is the usual case. Returns None when the residual does not decrease or
+    :data:`WARM_STEPS` applications are spent (early sweeps that still move far, or a small gap at
+    ``λ_r``); the caller then runs eigh (:class:`_Updater`).
     """
-    GV = X @ (X.T @ V0)
-    last = math.inf
-    for step in range(WARM_STEPS):
-        Q = torch.linalg.qr(GV).Q
-        B = X.T @ Q
-        w, Y = torch.linalg.eigh(B.T @ B)
-        w, Y = w.flip(0), Y.flip(1)
-        V, GV = Q @ Y, X @ (B @ Y)
-        top = float(w[0])
-        if top <= 0.0:
+
+    def __init__(self) -> None:
+        self.rate = 0.0  # measured residual decrease per application of G (0: not known yet)
+        self.need = 1    # applications of G before the first check
+
+    def __call__(self, Xt: Tensor, Q0: Tensor) -> tuple[Tensor, Tensor] | None:
+        if WARM_STEPS < 1:
             return None
-        res = float(torch.linalg.matrix_norm(GV - V * w)) / top
-        if res <= WARM_RESIDUAL:
-            return V, w.sum()
-        # give up early when the residual's decay rate cannot reach the tolerance in the steps left
-        rate = res / last
-        left = WARM_STEPS - 1 - step
-        if rate >= 1.0 or (left and res * rate ** left > WARM_RESIDUAL):
-            return None
-        last = res
-    return None
+        Z, used, need, last, first = Q0, 0, min(self.need, WARM_STEPS), None, True
+        while True:
+            for _ in range(need):
+                Z = Xt.T @ (Xt @ Z)
+            used += need
+            Q = torch.linalg.qr(Z).Q
+            B = Xt @ Q
+            H = B.T @ B
+            Z = Xt.T @ B                                 # G Q: the residual's product, and the next power
+            top = float(H.diagonal().max())              # a lower bound of λ_1
+            if top <= 0.0:
+                return None
+            res = float(torch.linalg.matrix_norm(Z - Q @ H)) / top
+            if last is not None:
+                rate = (res / last) ** (1.0 / (need + 1)) if res > 0.0 else 0.0  # G Q and need more
+                if rate >= 1.0:
+                    return None
+                self.rate = rate
+            if res <= WARM_RESIDUAL:
+                # next time as many applications; one fewer if the residual one application earlier,
+                # about res / rate, was already below the tolerance
+                spare = first and used > 1 and 0.0 < self.rate < 1.0 and res <= WARM_RESIDUAL * self.rate
+                self.need = used - 1 if spare else used
+                return Q, H.trace()
+            if used >= WARM_STEPS:
+                self.need = 1  # the next try (after the caller's back-off) measures afresh
+                return None
+            used += 1                                    # Z = G Q is one application already
+            last, first = res, False
+            need = self._need(res) - 1 if 0.0 < self.rate < 1.0 else 0
+            need = max(0, min(need, WARM_STEPS - used))
+
+    def _need(self, res: float) -> int:
+        ratio = max(WARM_RESIDUAL, 1e-300) / res  # < 1: called only above the tolerance
+        return max(1, min(WARM_STEPS, math.ceil(math.log(ratio) / math.log(self.rate))))
+
+
+def _ritz(Xt: Tensor, Q: Tensor) -> Tensor:
+    """The eigenvectors of ``G = Xtᵀ Xt`` inside ``span(Q)`` (``Q`` orthonormal, an invariant subspace),
+    largest eigenvalue first: ``Q Y`` with ``Y`` the eigenvectors of ``Qᵀ G Q``."""
+    B = Xt @ Q
+    Y = torch.linalg.eigh(B.T @ B)[1]
+    return Q @ Y.flip(1)
 
 
 def _unfold(Y: Tensor) -> Tensor:
@@ -240,14 +281,16 @@ def _gram(Y: Tensor) -> Tensor:
 
 
 class _Updater:
-    """HOOI factor updates of one factor: the top-``r`` left singular vectors of ``[Y_1 ... Y_T]`` and
-    their energy, warm-started (:func:`_top_eigvecs_warm`) when that has been paying off.
+    """HOOI factor updates of one factor: a basis of the top-``r`` left singular subspace of
+    ``X = [Y_1 ... Y_T]`` and its energy (the sum of the top-``r`` eigenvalues of ``X Xᵀ``),
+    warm-started (:class:`_Warm`) when that has been paying off, else ``eigh`` (which gives
+    eigenvectors; ``exact`` says whether the last update came from it).
 
-    A warm start that does not converge costs its :data:`WARM_STEPS` steps on top of the ``eigh``; it
-    happens while the factors still move far between sweeps, and on some problems throughout. So after a
-    failure the next 1, 2, 4, ... updates go straight to ``eigh`` (the wait doubles with each failure and
-    resets on a success): a problem where warm starts never converge pays for about ``log2(sweeps)``
-    failed attempts, not one per update.
+    A warm start that does not converge costs its products on top of the ``eigh``; it happens while the
+    factors still move far between sweeps, and on some problems throughout. So after a failure the next
+    1, 2, 4, ... updates go straight to ``eigh`` (the wait doubles with each failure and resets on a
+    success): a problem where warm starts never converge pays for about ``log2(sweeps)`` failed
+    attempts, not one per update.
     """
 
     def __init__(self, r: int, warm: bool, R: int):
@@ -255,43 +298,81 @@ class _Updater:
         self.r, self.warm = r, warm and R >= WARM_MIN_R
         self.skip, self.wait = 0, 1
         self.warm_ok = self.warm_failed = 0
+        self.exact = True
+        self._warm = _Warm()
 
-    def __call__(self, Y: Tensor, V0: Tensor) -> tuple[Tensor, Tensor]:
-        X = _unfold(Y)
+    def __call__(self, Xt: Tensor, V0: Tensor) -> tuple[Tensor, Tensor]:
+        """``Xt (T r, R)``: the rows of ``X = [Y_1 ... Y_T]`` transposed (any order); ``V0``: the last basis."""
         if self.warm and self.skip == 0:
-            got = _top_eigvecs_warm(X, V0)
+            got = self._warm(Xt, V0)
             if got is not None:
                 self.warm_ok += 1
                 self.wait = 1
+                self.exact = False
                 return got
             self.warm_failed += 1
             self.skip, self.wait = self.wait, 2 * self.wait
         elif self.skip:
             self.skip -= 1
-        return _top_eigvecs(X @ X.T, self.r)
+        self.exact = True
+        return _top_eigvecs(Xt.T @ Xt, self.r)
 
 
-def tucker2(M: Tensor, rank: int, *, iters: int = 1000, tol: float = 1e-6, warm: bool = True) -> HOOIResult:
+def _products(M: Tensor, factors: tuple[Tensor, Tensor] | None) -> tuple[Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]]:
+    """``S -> [M_1 S ... M_T S]ᵀ`` and ``P -> [M_1ᵀ P ... M_Tᵀ P]ᵀ``, each ``(T r, R)`` with its rows in
+    whatever order needs no copy (the Gram matrix does not depend on it); through the factors
+    ``M_t = L_t K_tᵀ`` when given (``O(T R k r)`` instead of ``O(T R² r)``) and ``R >= WARM_MIN_R`` (below
+    it the batched small products cost more than they save: measured 10-20 % slower at R = 20-32)."""
+    T, R, _ = M.shape
+    if factors is not None and R >= WARM_MIN_R:
+        L, K = factors
+        Lt, Kt = L.mT.contiguous(), K.mT.contiguous()
+        # (M_t S)ᵀ = (Sᵀ K_t) L_tᵀ, (M_tᵀ P)ᵀ = (Pᵀ L_t) K_tᵀ: (T, r, R), rows (t, i)
+        return (lambda S: ((S.T @ K) @ Lt).view(-1, R)), (lambda P: ((P.T @ L) @ Kt).view(-1, R))
+    # (Sᵀ M_tᵀ)[i, j] = Σ_a S[a, i] M_t[j, a] and (Pᵀ M_t)[i, j] = Σ_a P[a, i] M_t[a, j]: one product each
+    # with the (R, T R) layouts below; rows (i, t)
+    Ncol = M.permute(2, 0, 1).reshape(R, T * R)
+    Nrow = M.permute(1, 0, 2).reshape(R, T * R)
+    return (lambda S: (S.T @ Ncol).view(-1, R)), (lambda P: (P.T @ Nrow).view(-1, R))
+
+
+def _check_factors(M: Tensor, factors: Any) -> tuple[Tensor, Tensor]:
+    if not (isinstance(factors, tuple) and len(factors) == 2 and all(isinstance(f, Tensor) for f in factors)):
+        raise TypeError("tucker2: factors must be a pair of tensors (L, K) with M_t = L_t K_tᵀ")
+    T, R, _ = M.shape
+    L, K = (f.to(FP) for f in factors)
+    if L.ndim != 3 or L.shape[:2] != (T, R) or K.shape != L.shape:
+        raise ValueError(f"tucker2: factors must be (T, R, k) = ({T}, {R}, k) each with M_t = L_t K_tᵀ, got "
+                         f"{tuple(L.shape)} and {tuple(K.shape)}")
+    gap = float((L @ K.mT - M).norm())
+    if not gap <= 1e-10 * max(float(M.norm()), 1e-300):
+        raise ValueError(f"tucker2: factors do not reproduce M (||L Kᵀ - M||_F / ||M||_F = {gap / float(M.norm()):.3g})")
+    return L, K
+
+
+def tucker2(M: Tensor, rank: int, *, iters: int = 1000, tol: float = 1e-6, warm: bool = True,
+            factors: tuple[Tensor, Tensor] | None = None) -> HOOIResult:
     """Step 4: partial Tucker of ``M (T, R, R)`` on modes 0, 1 with ranks (r, r), the task mode kept.
 
     HOSVD init: ``P`` = top-r left singular vectors of ``[M_1 ... M_T]`` ``(R, T R)``, ``S`` = those
     of ``[M_1ᵀ ... M_Tᵀ]``. HOOI sweep: ``P ← lsv_r([M_1 S ... M_T S])``, ``S ← lsv_r([M_1ᵀ P ... M_Tᵀ P])``.
     Each update maximises the objective over one factor with the other fixed, so the objective never
-    decreases. Singular vectors are sign-fixed.
+    decreases. The returned singular vectors are sign-fixed.
 
-    Computation: each ``lsv_r`` is the top-``r`` eigenvectors of the ``R x R`` Gram matrix (float64), and
-    the objective after a sweep is the sum of the top-``r`` eigenvalues of the second Gram matrix (no
-    extra product); all of it on one intra-op thread (:func:`_one_thread`). The HOSVD init runs
-    ``eigh``; each sweep's update starts from the previous factor and iterates on its subspace to a
-    residual of :data:`WARM_RESIDUAL` (:func:`_top_eigvecs_warm`; exact eigenpairs to that accuracy,
-    falling back to ``eigh`` when they do not converge in :data:`WARM_STEPS` steps, with a back-off: :class:`_Updater`). ``warm=False``
-    runs ``eigh`` every time (the same iterates to ~1e-9; the tests compare them).
+    Computation (float64, one intra-op thread: :func:`_one_thread`): each ``lsv_r`` is the top-``r``
+    eigenspace of the ``R x R`` Gram matrix ``G = X Xᵀ`` of ``X = [M_1 S ... M_T S]``, and the objective
+    after a sweep is the sum of its top-``r`` eigenvalues (no extra product). The HOSVD init runs
+    ``eigh``. A sweep only needs the subspaces, so each update starts from the previous factor and runs
+    subspace iteration on ``X`` to a residual of :data:`WARM_RESIDUAL` ``* λ_1`` (:class:`_Warm`: the
+    exact eigenspace to that accuracy; ``eigh`` when it does not converge, with a back-off:
+    :class:`_Updater`); the eigenvector bases are computed once, after the last sweep. ``warm=False``
+    runs ``eigh`` every time (the same iterates to ~1e-10; the tests compare them). ``factors=(L, K)``
+    (each ``(T, R, k)``, ``M_t = L_t K_tᵀ``, checked), as :func:`ctm_merge_layer` has them for LoRA
+    cores of rank ``k = r_t``, make the sweep's products ``O(T R k r)`` instead of ``O(T R² r)``.
 
     Stopping rule (tensorly's ``partial_tucker`` criterion): the relative reconstruction error
     ``e = sqrt(1 - obj / ||M||_F²)`` is computed after every sweep; stop when it changes by less than
-    ``tol`` (absolute, default ``1e-6``: the subspaces then move by far less than the merge's own
-    rounding and the merged factors are stable to ~1e-6 relative), or after ``iters`` sweeps
-    (``converged=False``).
+    ``tol`` (absolute, default ``1e-6``), or after ``iters`` sweeps (``converged=False``).
     """
     if M.ndim != 3 or M.shape[1] != M.shape[2]:
         raise ValueError(f"tucker2: M must be (T, R, R), got {tuple(M.shape)}")
@@ -299,24 +380,30 @@ def tucker2(M: Tensor, rank: int, *, iters: int = 1000, tol: float = 1e-6, warm:
     if rank > R:
         raise ValueError(f"tucker2: rank {rank} > R = {R}")
     M = M.to(FP)
+    if factors is not None:
+        factors = _check_factors(M, factors)
     with _one_thread():
         total = float(M.square().sum())
         if total == 0.0:
             eye = torch.eye(R, rank, dtype=FP)
             return HOOIResult(eye, eye.clone(), 0.0, 0.0, 0, True, 0.0)
-        Mt = M.transpose(1, 2)
         P = _top_eigvecs(_gram(M), rank)[0]
-        S = _top_eigvecs(_gram(Mt), rank)[0]
+        S = _top_eigvecs(_gram(M.mT), rank)[0]
         obj0 = obj = tucker_objective(M, P, S)
         err = math.sqrt(max(0.0, 1.0 - obj / total))
         it, converged = 0, rank == R
         if converged:
             return HOOIResult(sign_fix(P)[0], sign_fix(S)[0], obj0, obj, 0, True, err)
-        # column signs do not matter inside the loop (the Gram matrices depend on span(P), span(S) only)
+        times_S, times_P = _products(M, factors)
+        # inside the loop P and S are any orthonormal bases of the iterates (the Gram matrices depend on
+        # span(P), span(S) only); eigenvector bases and signs are fixed once at the end
         update_P, update_S = _Updater(rank, warm, R), _Updater(rank, warm, R)
+        XP = XS = None  # the last sweep's products, transposed (T r, R)
         for it in range(1, iters + 1):
-            P = update_P(M @ S, P)[0]
-            S, top = update_S(Mt @ P, S)
+            XP = times_S(S)
+            P = update_P(XP, P)[0]
+            XS = times_P(P)
+            S, top = update_S(XS, S)
             obj = float(top)
             new_err = math.sqrt(max(0.0, 1.0 - obj / total))
             if abs(err - new_err) < tol:
@@ -324,6 +411,10 @@ def tucker2(M: Tensor, rank: int, *, iters: int = 1000, tol: float = 1e-6, warm:
                 converged = True
                 break
             err = new_err
+        if XP is not None and not update_P.exact:
+            P = _ritz(XP, P)
+        if XS is not None and not update_S.exact:
+            S = _ritz(XS, S)
     return HOOIResult(sign_fix(P)[0], sign_fix(S)[0], obj0, obj, it, converged, err)
 
 
@@ -343,11 +434,6 @@ class LayerResult:
     kept_energy: list[float]        # ||C_t||_F / ||ΔW_t||_F per kept adapter
     hooi: HOOIResult
     kept: list[int]                 # indices of the adapters used (zero adapters are skipped)
-
-
-def _frob_lowrank(b: Tensor, a: Tensor) -> float:
-    """``||B A||_F`` without forming B A: ``sqrt(tr((BᵀB)(A Aᵀ)))``."""
-    return math.sqrt(max(0.0, float(((b.T @ b) * (a @ a.T)).sum())))
 
 
 def ctm_merge_layer(Bs: Sequence[Tensor], As: Sequence[Tensor], config: CtMConfig, *,
@@ -370,11 +456,13 @@ def ctm_merge_layer(Bs: Sequence[Tensor], As: Sequence[Tensor], config: CtMConfi
     Bs = [b.to(FP) for b in Bs]
     As = [a.to(FP) for a in As]
     U_B, V_A = core_bases(Bs, As)                                   # step 1
-    M = core_matrices(U_B, V_A, Bs, As)                             # step 2
-    Mt = balance_norms(M, config.beta)                              # step 3
-    hooi = tucker2(Mt, r, iters=config.hooi_iters, tol=config.hooi_tol)  # step 4
+    L, K = core_factors(U_B, V_A, Bs, As)                           # step 2: M_t = L_t K_tᵀ
+    M = L @ K.mT
+    c = _balance_scale(M, config.beta)                              # step 3
+    Lb = L * c[:, None, None]
+    hooi = tucker2(M * c[:, None, None], r, iters=config.hooi_iters, tol=config.hooi_tol, factors=(Lb, K))  # step 4
     U_r, V_r = U_B @ hooi.P, V_A @ hooi.S                           # step 5
-    C = torch.stack([(U_r.T @ b) @ (a @ V_r) for b, a in zip(Bs, As)])  # step 6 (raw factors)
+    C = (hooi.P.T @ L) @ (K.mT @ hooi.S)                            # step 6: U_rᵀ B_t A_t V_r = Pᵀ M_t S
     if seeds is None and needs_seeds(config.rule):  # hashing the factors costs; only DARE's masks use them
         seeds = [adapter_seed(config.seed, name, b, a) for b, a in zip(Bs, As)]
     Cm = merge_tensors(C, config.rule, density=config.density, drop_rate=config.drop_rate, seeds=seeds)  # step 7
@@ -388,10 +476,9 @@ def ctm_merge_layer(Bs: Sequence[Tensor], As: Sequence[Tensor], config: CtMConfi
         A = V_r.T.contiguous()
     if not (bool(torch.isfinite(B).all()) and bool(torch.isfinite(A).all())):
         raise NumericalError(f"CtM produced non-finite factors at {name}")
-    energy = []
-    for t in range(T):
-        nrm = _frob_lowrank(Bs[t], As[t])
-        energy.append(float(C[t].norm()) / nrm if nrm > 0 else 0.0)
+    # ||ΔW_t||_F = ||M_t||_F (U_B, V_A orthonormal and their spans hold every adapter)
+    nrm = M.reshape(T, -1).norm(dim=1)
+    energy = (C.reshape(T, -1).norm(dim=1) / nrm).tolist()
     return LayerResult(B, A, U_r, V_r, C, energy, hooi, list(range(T)))
 
 
