@@ -347,4 +347,6 @@ def test_evaluate_model_lists_per_example_correctness():
         inputs, y = data.select(torch.arange(len(data)))
         expected = (model(**inputs).argmax(-1) == y).double().tolist()
     assert hits == expected and sum(hits) / len(hits) == pytest.approx(acc)
-    assert evaluate_model(model, data, batch_size=7)[0] == pytest.approx(loss, rel=1e-9)
+    # the logits are float32 and a matmul over 7 rows may take another kernel than one over 16, so
+    # the two batchings agree to float32 precision, not float64 (seen: 2e-9 relative on one machine)
+    assert evaluate_model(model, data, batch_size=7)[0] == pytest.approx(loss, rel=1e-6)
