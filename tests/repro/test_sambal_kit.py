@@ -43,3 +43,18 @@ def test_cached_round_trip(repro_cache) -> None:
     assert torch.equal(m(input_ids=x).logits, again(input_ids=x).logits)
     assert again.sambal_info["steps"] == K.RECIPES["smoke"].steps and again.sambal_info["corpus"] == "sambal"
     assert K.model_path("smoke", "sambal", "smoke", 0).is_relative_to(repro_cache)
+
+
+def test_an_uncached_build_depends_on_its_seed_only() -> None:
+    """Dropout draws from a seeded fork of the global generator: two in-memory builds from different global
+    states are the same model, and the caller's generator is untouched."""
+    x = torch.arange(4, 20)[None]
+
+    def build(prior: int) -> torch.Tensor:
+        torch.manual_seed(prior)
+        before = torch.get_rng_state()
+        m = K.trained_model("smoke", "natural", "smoke", 0, cache=False)
+        assert torch.equal(torch.get_rng_state(), before)
+        return m(input_ids=x).logits
+
+    assert torch.equal(build(1), build(2))

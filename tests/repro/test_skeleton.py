@@ -8,13 +8,14 @@ import importlib.util
 import json
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
 from rankwise.repro import evidence
 from rankwise.repro.harness import cache_key, reproduce
 from rankwise.repro.result import ClaimCheck, Precondition, ReproResult, Table
-from rankwise.repro.skeleton import Settings, parse_overrides, setting
+from rankwise.repro.skeleton import Reproduction, Settings, parse_overrides, setting
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -343,3 +344,70 @@ def test_per_seed_fragments_join_like_one_table() -> None:
     assert joined.to_json() == whole.to_json()
     merged = merge_in_order([{"r": [1], "d": {"k": [1]}}, {"d": {"k": [2], "j": [3]}, "r": [4], "s": 5}])
     assert merged == {"r": [1, 4], "d": {"k": [1, 2], "j": [3]}, "s": 5} and list(merged) == ["r", "d", "s"]
+
+
+# --------------------------------------------------------------------------------------------------
+# Global generators: seeded per seed, restored after the run
+
+
+class _Draws(Reproduction):
+    """Draws from every global generator in measure and measure_joint, and seeds torch's itself (a leaker)."""
+
+    id = "lora"
+    claim = "Draws depend on the seed only."
+    settings = {"smoke": Settings(), "quick": Settings(), "full": Settings()}
+
+    def measure(self, s: Settings, seed: int) -> dict:
+        import random
+
+        import numpy as np
+        import torch
+
+        out = {"py": random.random(), "np": float(np.random.rand()), "torch": torch.rand(3).tolist()}
+        torch.manual_seed(12345)  # what transformers' set_seed or a library's own seeding does
+        return out
+
+    def measure_joint(self, s: Settings, records: Any) -> float:
+        import torch
+
+        return float(torch.rand(()))
+
+    def table(self, s: Settings, records: Any) -> Table:
+        self.draws = list(records)
+        return Table(columns=["x"])
+
+    def checks(self, s: Settings, records: Any) -> list[ClaimCheck]:
+        return [ClaimCheck("ran", 1.0, ">=", 1.0, kind="wiring")]
+
+
+def _global_states() -> tuple:
+    import random
+
+    import numpy as np
+    import torch
+
+    return random.getstate(), np.random.get_state()[1].tolist(), torch.get_rng_state().tolist()
+
+
+def test_measure_sees_seeded_global_generators_and_the_caller_gets_its_own_back(tmp_path: Path) -> None:
+    import random
+
+    import numpy as np
+    import torch
+
+    def run(prior: int, seeds: list[int], out: str) -> list:
+        random.seed(prior), np.random.seed(prior), torch.manual_seed(prior)
+        before = _global_states()
+        repro = _Draws()
+        from rankwise.repro.skeleton import execute
+
+        execute(repro, "smoke", seeds, tmp_path / out)
+        assert _global_states() == before  # restored, although measure seeded torch's generator itself
+        return repro.draws
+
+    a = run(1, [0, 1], "a")
+    b = run(2, [0, 1], "b")  # another state before the run: the same draws
+    assert a == b
+    assert a[0] != a[1]  # two seeds, two streams
+    c = run(1, [1], "c")  # seed 1 alone draws what seed 1 drew after seed 0 (no carry-over between seeds)
+    assert c[0] == a[1]

@@ -273,6 +273,22 @@ def test_lora_baseline_through_peft(tok) -> None:
     names = [n for n, p in m.named_parameters() if p.requires_grad]
     assert names and all("lora_" in n for n in names)
 
+    # the adapter's initialisation depends on `seed` only, and the caller's generator is left alone
+    def a_factors(seed: int, prior: int) -> list[torch.Tensor]:
+        base = _llama(tok)
+        torch.manual_seed(prior)
+        before = torch.get_rng_state()
+        out = [p.detach().clone() for n, p in lora_model(base, rank=2, seed=seed).named_parameters()
+               if "lora_A" in n]
+        assert torch.equal(torch.get_rng_state(), before)
+        return out
+
+    a, b, c = a_factors(0, 1), a_factors(0, 2), a_factors(1, 1)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert not all(torch.equal(x, y) for x, y in zip(a, c))
+    with pytest.raises(ValueError, match="seed"):
+        lora_model(_llama(tok), rank=2, seed=-1)
+
 
 # --------------------------------------------------------------------------------------------------
 # persistence, AER

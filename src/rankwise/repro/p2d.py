@@ -140,7 +140,7 @@ def _train(base: Any, tok: Any, data: list[Any], s: P2DSettings, seed: int, head
     model = copy.deepcopy(base)
     cfg = SFTConfig(lr=s.lr, steps=s.steps, batch_size=s.batch_size, weight_decay=0.0, seed=seed, max_length=64)
     if lora:
-        model = lora_model(model, rank=s.lora_rank)
+        model = lora_model(model, rank=s.lora_rank, seed=seed)
     if heads is not None:
         with restrict_to_heads(model, heads):
             res = sft(model, tok, data, cfg)

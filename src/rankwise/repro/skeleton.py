@@ -18,6 +18,12 @@ and binds ``REPRODUCTION = TheClass`` and ``run = TheClass.run`` at module level
 (what ``run`` calls) validates the mode and seeds, applies the overrides, creates and probes the
 output folder, times the run (wall and CPU), measures, evaluates, saves the figures atomically
 (:func:`save_figure`), records the environment and the overrides, and writes ``result.json``.
+
+The global random generators (Python's ``random``, NumPy's legacy ``np.random``, torch's CPU generator and
+the CUDA generators already in use) are seeded before each ``measure`` call from ``(id, seed)``, before
+``measure_joint`` from ``(id, seeds)``, and restored to the caller's states when the run ends: a result
+depends on its seeds only, never on what ran earlier in the process (a report runs many), and a
+reproduction that seeds a global generator itself does not leak that into the next one.
 See ``docs/reproductions-howto.md``.
 """
 
@@ -25,8 +31,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import os
+import random
 import tempfile
 import time
 import types
@@ -355,6 +363,35 @@ def _threads(n: int | None) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
+def global_seed(id: str, part: str) -> int:
+    """The seed (``0 <= s < 2**32``) of the global generators for one part of reproduction ``id``'s run."""
+    digest = hashlib.sha256(f"rankwise.repro/{id}/{part}".encode()).digest()
+    return int.from_bytes(digest[:4], "little")
+
+
+@contextmanager
+def _global_generators() -> Iterator[Any]:
+    """Restore Python's, NumPy's and torch's global generators on exit; yields ``reseed(seed)``, which
+    seeds all of them (CUDA's too, through ``torch.manual_seed``)."""
+    import numpy as np
+    import torch
+
+    py_state, np_state = random.getstate(), np.random.get_state()
+    cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+
+    def reseed(seed: int) -> None:
+        random.seed(seed)
+        np.random.seed(seed)
+        torch.manual_seed(seed)
+
+    try:
+        with torch.random.fork_rng(devices=cuda):
+            yield reseed
+    finally:
+        random.setstate(py_state)
+        np.random.set_state(np_state)
+
+
 # --------------------------------------------------------------------------------------------------
 # The declaration
 
@@ -434,8 +471,13 @@ def execute(repro: Reproduction[Any, Any], mode: str, seeds: Sequence[int] | Non
     seed_list = _seeds(mode, seeds, settings)
     out = ensure_writable(out_dir)
     t0, c0 = time.perf_counter(), time.process_time()
-    with _threads(repro.threads), repro.running():
-        records: Records[Any] = Records(seed_list, {s: repro.measure(settings, s) for s in seed_list})
+    with _threads(repro.threads), _global_generators() as reseed, repro.running():
+        per_seed: dict[int, Any] = {}
+        for s in seed_list:
+            reseed(global_seed(repro.id, f"seed={s}"))
+            per_seed[s] = repro.measure(settings, s)
+        records: Records[Any] = Records(seed_list, per_seed)
+        reseed(global_seed(repro.id, "joint:" + ",".join(map(str, seed_list))))
         records.joint = repro.measure_joint(settings, records)
         table = repro.table(settings, records)
         pre = repro.preconditions(settings, records)

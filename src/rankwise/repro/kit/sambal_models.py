@@ -12,7 +12,8 @@ For each recipe (:data:`RECIPES`), seed and arm ``(corpus, size)``:
 3. model: ``GPT2LMHeadModel`` of :data:`MODEL_SIZES` (tied embeddings), seeded initialisation;
 4. training: :func:`rankwise.train.pretrain.pretrain`, AdamW (no weight decay), warm-up then cosine
    decay, clipping 1.0, ``steps = ceil(epochs * tokens / (batch * seq_len))`` -- every arm sees the same
-   number of tokens.
+   number of tokens; dropout draws from a fork of torch's global generator seeded with
+   ``DROPOUT_SEED_OFFSET + seed`` (so a model depends on its recipe and seed only).
 
 Files: ``cache_dir()/sambal/<recipe>-<corpus>-<size>-s<seed>-<hash>/`` (``save_pretrained`` layout plus
 ``sambal_info.json``), written atomically; the hash covers the recipe and the torch/transformers
@@ -62,12 +63,14 @@ class SambalRecipe:
     grad_clip: float = 1.0
     grammar_seed: int = 0
     threads: int = 1  # torch threads while training (the docs' build times use 1)
-    version: int = 1
+    version: int = 2  # 2: dropout on a seeded fork of the global generator (1 drew from the caller's state)
 
     @property
     def steps(self) -> int:
         return max(1, math.ceil(self.epochs * self.tokens / (self.batch_size * self.seq_len)))
 
+
+DROPOUT_SEED_OFFSET = 1_000  # the dropout stream of seed s is torch.manual_seed(1000 + s)
 
 _MAIN = (("natural", "full"), ("sambal", "full"))
 RECIPES: dict[str, SambalRecipe] = {
@@ -171,6 +174,7 @@ def model_path(recipe_name: str, corpus_kind: str, size: str, seed: int, recipe:
 
 def _train(recipe_name: str, r: SambalRecipe, corpus_kind: str, size: str, seed: int, path: Path | None) -> Any:
     from rankwise.train.pretrain import eval_windows, make_optimizer, pretrain
+    from rankwise.zoo.models import seeded
 
     g = grammar(r)
     tok = tokenizer(g)
@@ -182,9 +186,12 @@ def _train(recipe_name: str, r: SambalRecipe, corpus_kind: str, size: str, seed:
         t0 = time.perf_counter()
         model = new_model(size, len(tok), r.seq_len, seed, tok)
         opt = make_optimizer("adamw", model, r.lr)
-        res = pretrain(model, opt, train, eval_windows(valid, r.seq_len, 64), r.steps, seq_len=r.seq_len,
-                       batch_size=r.batch_size, seed=seed, warmup=max(1, r.steps // 20),
-                       eval_every=max(1, r.steps // 4), final_lr=0.1, grad_clip=r.grad_clip)
+        # GPT-2's dropout draws from torch's global generator: a fork of it seeded by the model's seed
+        # (offset from the initialisation's stream) makes the trained model a function of the recipe
+        with seeded(DROPOUT_SEED_OFFSET + seed):
+            res = pretrain(model, opt, train, eval_windows(valid, r.seq_len, 64), r.steps, seq_len=r.seq_len,
+                           batch_size=r.batch_size, seed=seed, warmup=max(1, r.steps // 20),
+                           eval_every=max(1, r.steps // 4), final_lr=0.1, grad_clip=r.grad_clip)
         seconds = time.perf_counter() - t0
     finally:
         torch.set_num_threads(before)

@@ -72,7 +72,9 @@ def _builder(hidden: int, layers: int) -> Any:
 
 def train_npse(theta: Tensor, x: Tensor, train_prior: Any, *, epochs: int = 40, batch_size: int = 200,
                hidden: int = 64, layers: int = 3, seed: int = 0) -> Any:
-    """Train sbi's NPSE (VE SDE, MLP score network) on simulated pairs; returns the estimator."""
+    """Train sbi's NPSE (VE SDE, MLP score network) on simulated pairs; returns the estimator.
+
+    sbi takes no generator: this seeds torch's global generator with ``seed`` (``torch.manual_seed``)."""
     from sbi.inference import NPSE
 
     torch.manual_seed(seed)
@@ -102,7 +104,7 @@ def sbi_sample(posterior: Any, x_obs: Tensor, n: int, *, steps: int = 100, seed:
     """``n`` samples from sbi's posterior at ``x_obs``: unguided, or with sbi's PriorGuide when
     ``new_prior`` is given (``guidance_params`` = train/test prior, ``K`` and the ratio-fit steps).
     Returns ``(samples [n, D], CPU seconds of this process)``; no rejection outside the prior (as in our
-    sampler)."""
+    sampler). Seeds torch's global generator with ``seed`` (sbi takes no generator)."""
     kw: dict[str, Any] = {}
     if new_prior is not None:
         kw = {"guidance_method": "prior_guide",

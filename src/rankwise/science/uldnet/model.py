@@ -87,7 +87,9 @@ def mlp(sizes: Iterable[int] = (64, 64, 64, 10), norm: str = "layernorm", act: s
     """The reproduction's MLP: ``Linear -> norm -> act`` per hidden layer, then a Linear head.
 
     ``norm``/``act``: ``"layernorm"``/``"relu"`` (the plaintext reference; :func:`convert` turns it into
-    ULD-Net) or ``"polynorm"``/``"polyact"`` (built converted)."""
+    ULD-Net) or ``"polynorm"``/``"polyact"`` (built converted). Seeds torch's global generator with ``seed``
+    (``torch.manual_seed``) before building, so the initialisation and the dropout of a training that
+    follows are reproducible."""
     sizes = [int(s) for s in sizes]
     if len(sizes) < 2 or min(sizes) < 1:
         raise ValueError(f"mlp sizes must be >= 2 positive ints, got {sizes}")

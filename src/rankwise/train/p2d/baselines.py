@@ -68,14 +68,20 @@ def random_heads(model_or_shape: nn.Module | tuple[int, int], fraction: float, s
 
 
 def lora_model(model: nn.Module, rank: int = 8, alpha: float | None = None,
-               target_modules: Sequence[str] = ("q_proj", "k_proj", "v_proj", "o_proj")) -> nn.Module:
-    """``peft.get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, target_modules=...))``."""
+               target_modules: Sequence[str] = ("q_proj", "k_proj", "v_proj", "o_proj"), seed: int = 0) -> nn.Module:
+    """``peft.get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, target_modules=...))``.
+
+    PEFT draws the ``A`` factors from torch's global generator; here that draw runs on a fork of it seeded
+    with ``seed``, so the adapter depends on ``seed`` only and the caller's generator is left as it was."""
     from peft import LoraConfig, get_peft_model
 
     check_int("rank", rank, 1)
+    check_int("seed", seed, 0)
     cfg = LoraConfig(r=rank, lora_alpha=alpha if alpha is not None else 2 * rank, lora_dropout=0.0,
                      target_modules=list(target_modules), task_type="CAUSAL_LM")
-    return get_peft_model(model, cfg)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return get_peft_model(model, cfg)
 
 
 def select(model: nn.Module, tokenizer: Any, pool: Sequence[Any], method: str = "p2d",
