@@ -365,6 +365,36 @@ def test_core_factors_reproduce_core_matrices():
     assert torch.allclose(L @ K.mT, M, atol=1e-12) and torch.equal(core_matrices(U_B, V_A, Bs, As), L @ K.mT)
 
 
+@pytest.mark.parametrize("ranks", [(3, 5, 4), (4, 4, 4)])
+def test_core_space_is_core_bases_and_core_factors_in_one_call(ranks):
+    from rankwise.merge.common import core_factors, core_space
+
+    g = torch.Generator().manual_seed(3)
+    Bs = [torch.randn(40, r, generator=g, dtype=torch.float32) for r in ranks]  # float32: converted once
+    As = [torch.randn(r, 30, generator=g, dtype=torch.float32) for r in ranks]
+    got = core_space(Bs, As)
+    U_B, V_A = core_bases(Bs, As)
+    want = (U_B, V_A, *core_factors(U_B, V_A, Bs, As))
+    assert all(x.dtype == torch.float64 and torch.equal(x, y) for x, y in zip(got, want))
+
+
+def test_ctm_layer_does_not_recheck_the_factors_it_built(monkeypatch):
+    import rankwise.merge.ctm as ctm
+
+    def refuse(*a, **k):
+        raise AssertionError("ctm_merge_layer re-checked factors it built itself")
+
+    monkeypatch.setattr(ctm, "_check_factors", refuse)
+    g = torch.Generator().manual_seed(4)
+    Bs = [torch.randn(96, 16, generator=g, dtype=torch.float64) / 10 for _ in range(5)]
+    As = [torch.randn(16, 80, generator=g, dtype=torch.float64) / 10 for _ in range(5)]
+    out = ctm.ctm_merge_layer(Bs, As, ctm.CtMConfig(rank=8))
+    assert out.B.shape == (96, 8) and out.A.shape == (8, 80)
+    with pytest.raises(AssertionError, match="re-checked"):  # the public tucker2 still checks
+        M = torch.randn(5, 8, 8, generator=g, dtype=torch.float64)
+        ctm.tucker2(M, 4, factors=(M, M))
+
+
 def test_failed_warm_starts_back_off(monkeypatch):
     import rankwise.merge.ctm as ctm
 

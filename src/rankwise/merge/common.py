@@ -11,7 +11,7 @@ every such method repeats:
   a result does not depend on the order of the adapters;
 * :func:`core_bases` / :func:`core_matrices`: the Core-Space representation ``ΔW_t = U_B M_t V_Aᵀ``
   (used by Core-Space merging and by CtM's first two steps), with ``M_t = L_t K_tᵀ`` from
-  :func:`core_factors`;
+  :func:`core_factors` (:func:`core_space` gives all four, concatenating the factors once);
 * :func:`truncate` / :func:`lowrank_factors`: the best rank-r factors by SVD (Eckart–Young), with the
   Iso-C flattening of the kept singular values as an option (:func:`flatten_isotropic`);
 * :func:`out_state` checks the merged factors and builds the output state (alpha = r, scaling 1).
@@ -43,6 +43,7 @@ __all__ = [
     "core_bases",
     "core_factors",
     "core_matrices",
+    "core_space",
     "flatten_isotropic",
     "lowrank_factors",
     "module_factors",
@@ -231,29 +232,20 @@ def truncate(delta: Tensor, rank: int, *, isotropic: bool = False) -> tuple[Tens
     return lowrank_factors(U, S, Vh, rank, isotropic)
 
 
-def core_bases(Bs: Sequence[Tensor], As: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
-    """Core-Space bases (CtM step 1): ``U_B (m, R)`` left singular vectors of ``[B_1 ... B_T]``,
-    ``V_A (n, R)`` right singular vectors of ``[A_1; ...; A_T]``; R = Σ r_t (thin SVD, sign-fixed).
+def _cat(Bs: Sequence[Tensor], As: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
+    """``[B_1 ... B_T] (m, R)`` and ``[A_1; ...; A_T] (R, n)`` in float64."""
+    return torch.cat([b.to(FP) for b in Bs], 1), torch.cat([a.to(FP) for a in As], 0)
 
-    ``span(U_B) ⊇ col(B_t)`` and ``span(V_A) ⊇ row(A_t)`` for every t, so ``ΔW_t = U_B M_t V_Aᵀ``
-    exactly (:func:`core_matrices`). Cost O((m + n) R²); never forms an m x n matrix.
-    """
-    B_cat = torch.cat([b.to(FP) for b in Bs], 1)
-    A_cat = torch.cat([a.to(FP) for a in As], 0)
+
+def _bases(B_cat: Tensor, A_cat: Tensor) -> tuple[Tensor, Tensor]:
     U_B, _, _ = torch.linalg.svd(B_cat, full_matrices=False)
     _, _, Vh = torch.linalg.svd(A_cat, full_matrices=False)
-    U_B = sign_fix(U_B)[0]
-    V_A = sign_fix(Vh.T.contiguous())[0]
-    return U_B, V_A
+    return sign_fix(U_B)[0], sign_fix(Vh.T.contiguous())[0]
 
 
-def core_factors(U_B: Tensor, V_A: Tensor, Bs: Sequence[Tensor], As: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
-    """``L_t = U_Bᵀ B_t`` and ``K_t = V_Aᵀ A_tᵀ`` stacked ``(T, R, k)`` (``k = max r_t``, zero-padded), so
-    that the core matrices are ``M_t = L_t K_tᵀ`` (:func:`core_matrices`): two ``R x (m or n) x R``
-    products instead of ``2 T`` thin ones."""
-    ranks = [int(b.shape[1]) for b in Bs]
-    Lc = U_B.T @ torch.cat([b.to(FP) for b in Bs], 1)           # (R, Σ r_t), column block t = U_Bᵀ B_t
-    Kc = (torch.cat([a.to(FP) for a in As], 0) @ V_A).T         # (R, Σ r_t), column block t = V_Aᵀ A_tᵀ
+def _factors(U_B: Tensor, V_A: Tensor, B_cat: Tensor, A_cat: Tensor, ranks: list[int]) -> tuple[Tensor, Tensor]:
+    Lc = U_B.T @ B_cat            # (R, Σ r_t), column block t = U_Bᵀ B_t
+    Kc = (A_cat @ V_A).T          # (R, Σ r_t), column block t = V_Aᵀ A_tᵀ
     T, R, k = len(ranks), Lc.shape[0], max(ranks)
     if all(r == k for r in ranks):
         return (Lc.view(R, T, k).permute(1, 0, 2).contiguous(), Kc.view(R, T, k).permute(1, 0, 2).contiguous())
@@ -263,6 +255,31 @@ def core_factors(U_B: Tensor, V_A: Tensor, Bs: Sequence[Tensor], As: Sequence[Te
         L[t, :, :r], K[t, :, :r] = Lc[:, start:start + r], Kc[:, start:start + r]
         start += r
     return L, K
+
+
+def core_bases(Bs: Sequence[Tensor], As: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
+    """Core-Space bases (CtM step 1): ``U_B (m, R)`` left singular vectors of ``[B_1 ... B_T]``,
+    ``V_A (n, R)`` right singular vectors of ``[A_1; ...; A_T]``; R = Σ r_t (thin SVD, sign-fixed).
+
+    ``span(U_B) ⊇ col(B_t)`` and ``span(V_A) ⊇ row(A_t)`` for every t, so ``ΔW_t = U_B M_t V_Aᵀ``
+    exactly (:func:`core_matrices`). Cost O((m + n) R²); never forms an m x n matrix.
+    """
+    return _bases(*_cat(Bs, As))
+
+
+def core_factors(U_B: Tensor, V_A: Tensor, Bs: Sequence[Tensor], As: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
+    """``L_t = U_Bᵀ B_t`` and ``K_t = V_Aᵀ A_tᵀ`` stacked ``(T, R, k)`` (``k = max r_t``, zero-padded), so
+    that the core matrices are ``M_t = L_t K_tᵀ`` (:func:`core_matrices`): two ``R x (m or n) x R``
+    products instead of ``2 T`` thin ones."""
+    return _factors(U_B, V_A, *_cat(Bs, As), [int(b.shape[1]) for b in Bs])
+
+
+def core_space(Bs: Sequence[Tensor], As: Sequence[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(U_B, V_A, L, K)``: :func:`core_bases` and :func:`core_factors` in one call, the factors
+    concatenated once (what CtM and the core-space merge-then-compress bound run)."""
+    B_cat, A_cat = _cat(Bs, As)
+    U_B, V_A = _bases(B_cat, A_cat)
+    return (U_B, V_A, *_factors(U_B, V_A, B_cat, A_cat, [int(b.shape[1]) for b in Bs]))
 
 
 def core_matrices(U_B: Tensor, V_A: Tensor, Bs: Sequence[Tensor], As: Sequence[Tensor]) -> Tensor:

@@ -47,8 +47,7 @@ from rankwise.merge.common import (
     adapter_seed,
     check_adapters,
     check_rank_fits,
-    core_bases,
-    core_matrices,
+    core_space,
     flatten_isotropic,
     lowrank_factors,
     module_factors,
@@ -116,8 +115,8 @@ def merged_delta_module(inputs: MergeInputs, module: str, cfg: MergeConfig) -> T
         X = torch.stack([b @ a for b, a in zip(Bs, As)])
         return cfg.scale * merge_tensors(X, cfg.rule, **kw)
     if cfg.space == "core":
-        U_B, V_A = core_bases(Bs, As)
-        M = merge_tensors(core_matrices(U_B, V_A, Bs, As), cfg.rule, **kw)
+        U_B, V_A, L, K = core_space(Bs, As)
+        M = merge_tensors(L @ K.mT, cfg.rule, **kw)
         return U_B, cfg.scale * M, V_A
     # KnOTS: [ΔW_1 ... ΔW_T] = B_cat blockdiag(A_t) = Q (R_B blockdiag(A_t)) = Q U_g Σ W
     B_cat = torch.cat(Bs, 1)

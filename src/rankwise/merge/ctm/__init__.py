@@ -55,8 +55,7 @@ from rankwise.merge.common import (
     adapter_seed,
     check_adapters,
     check_rank_fits,
-    core_bases,
-    core_factors,
+    core_space,
     lowrank_factors,
     module_factors,
     out_state,
@@ -376,12 +375,20 @@ def tucker2(M: Tensor, rank: int, *, iters: int = 1000, tol: float = 1e-6, warm:
     """
     if M.ndim != 3 or M.shape[1] != M.shape[2]:
         raise ValueError(f"tucker2: M must be (T, R, R), got {tuple(M.shape)}")
-    T, R, _ = M.shape
+    R = M.shape[1]
     if rank > R:
         raise ValueError(f"tucker2: rank {rank} > R = {R}")
     M = M.to(FP)
     if factors is not None:
         factors = _check_factors(M, factors)
+    return _hooi(M, rank, iters, tol, warm, factors)
+
+
+def _hooi(M: Tensor, rank: int, iters: int, tol: float, warm: bool,
+          factors: tuple[Tensor, Tensor] | None) -> HOOIResult:
+    """:func:`tucker2` on checked inputs: float64 ``M (T, R, R)``, ``rank <= R``, ``factors`` (float64)
+    reproducing ``M`` (the caller's guarantee; :func:`ctm_merge_layer` builds ``M`` from them)."""
+    R = M.shape[1]
     with _one_thread():
         total = float(M.square().sum())
         if total == 0.0:
@@ -455,12 +462,12 @@ def ctm_merge_layer(Bs: Sequence[Tensor], As: Sequence[Tensor], config: CtMConfi
         raise ValueError(f"CtM: rank={r} exceeds R = Σ r_t = {R} at {name}; choose rank <= {R}")
     Bs = [b.to(FP) for b in Bs]
     As = [a.to(FP) for a in As]
-    U_B, V_A = core_bases(Bs, As)                                   # step 1
-    L, K = core_factors(U_B, V_A, Bs, As)                           # step 2: M_t = L_t K_tᵀ
+    U_B, V_A, L, K = core_space(Bs, As)                             # steps 1-2: M_t = L_t K_tᵀ
     M = L @ K.mT
     c = _balance_scale(M, config.beta)                              # step 3
     Lb = L * c[:, None, None]
-    hooi = tucker2(M * c[:, None, None], r, iters=config.hooi_iters, tol=config.hooi_tol, factors=(Lb, K))  # step 4
+    # step 4 (M c and (L c, K) are built here, so tucker2's check of the factors is skipped)
+    hooi = _hooi(M * c[:, None, None], r, config.hooi_iters, config.hooi_tol, True, (Lb, K))
     U_r, V_r = U_B @ hooi.P, V_A @ hooi.S                           # step 5
     C = (hooi.P.T @ L) @ (K.mT @ hooi.S)                            # step 6: U_rᵀ B_t A_t V_r = Pᵀ M_t S
     if seeds is None and needs_seeds(config.rule):  # hashing the factors costs; only DARE's masks use them
