@@ -117,3 +117,39 @@ def test_datasets_and_info_state_provenance(cache: Path) -> None:
     state = info()["state"]
     assert state["cache_dir"] == str(cache)
     assert state["tiny_lm"]["smoke"]["built"] is False
+
+
+def test_a_cached_build_does_not_depend_on_the_callers_thread_count(cache: Path, tmp_path: Path) -> None:
+    """The MoE's float sums change order with the intra-op thread count (a 2-thread and a 1-thread build
+    differ by ~1e-7 after the smoke recipe's steps); the cache must hold the same model whoever builds it."""
+    from safetensors.torch import load_file
+
+    from rankwise.zoo.models import BUILD_THREADS, build_threads
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(BUILD_THREADS + 1)
+        tinylm_mod.build_tiny_lm("moe-smoke")
+        assert torch.get_num_threads() == BUILD_THREADS + 1  # the caller's count is restored
+    finally:
+        torch.set_num_threads(before)
+    built = load_file(str(tiny_lm_path("moe-smoke") / "model.safetensors"))
+    record = json.loads((tiny_lm_path("moe-smoke") / "rankwise_tiny_lm.json").read_text())
+    assert record["metrics"]["torch_threads"] == BUILD_THREADS and record["key"]["build_threads"] == BUILD_THREADS
+    with build_threads(BUILD_THREADS):
+        tinylm_mod._train("moe-smoke", tmp_path / "direct", False)
+    direct = load_file(str(tmp_path / "direct" / "model.safetensors"))
+    assert built.keys() == direct.keys() and all(torch.equal(built[k], direct[k]) for k in built)
+
+
+def test_build_threads_pins_and_restores() -> None:
+    from rankwise.zoo.models import build_threads
+
+    before = torch.get_num_threads()
+    with build_threads(1):
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == before
+    with pytest.raises(Exception, match="threads"):
+        with build_threads(0):
+            pass
+    assert torch.get_num_threads() == before

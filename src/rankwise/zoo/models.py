@@ -51,6 +51,24 @@ class MissingDependencyError(RankwiseError, ImportError):
 # helpers
 
 
+#: torch intra-op threads of every cached model build (the zoo's and the reproduction kits'). The order of
+#: a float sum depends on the thread count, so a model trained on 2 threads is not the one trained on 1
+#: (they drift apart over the steps); pinning it makes a cached model the same whichever caller, core count
+#: or earlier ``torch.set_num_threads`` builds it first. Part of every build's cache key.
+BUILD_THREADS = 1
+
+
+@contextlib.contextmanager
+def build_threads(n: int = BUILD_THREADS) -> Iterator[None]:
+    """Run a block (a cached model's training) on ``n`` torch intra-op threads; the caller's count is restored."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(check_int("threads", n, 1))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 @contextlib.contextmanager
 def seeded(seed: int) -> Iterator[None]:
     """Run a block under ``torch.manual_seed(seed)`` on a forked CPU RNG (the caller's state is restored)."""

@@ -49,7 +49,7 @@ import torch
 from rankwise.core.calibration import token_nll
 from rankwise.core.errors import ArtifactError, RankwiseError
 from rankwise.zoo.docstrings import SPLITS, corpus
-from rankwise.zoo.models import quiet_transformers, seeded
+from rankwise.zoo.models import BUILD_THREADS, build_threads, quiet_transformers, seeded
 
 __all__ = [
     "BUILD_SETS",
@@ -179,6 +179,7 @@ def _recipe_key(size: str) -> dict[str, Any]:
         "torch": _major_minor(torch.__version__),
         "transformers": _major_minor(transformers.__version__),
         "tokenizers": _major_minor(tokenizers.__version__),
+        "build_threads": BUILD_THREADS,
     }
 
 
@@ -425,7 +426,8 @@ def build_tiny_lm(size: str = "small", force: bool = False, progress: bool | Non
     logger.info("building tiny_lm %r into %s", size, target)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
-        metrics = _train(size, tmp, progress)
+        with build_threads():
+            metrics = _train(size, tmp, progress)
         record = {"path": str(target), "key": _recipe_key(size), "metrics": metrics}
         (tmp / _METRICS).write_text(json.dumps(record, indent=2, sort_keys=True))
         if target.exists():

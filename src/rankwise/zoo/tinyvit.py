@@ -35,7 +35,7 @@ import torch
 from rankwise.core import io
 from rankwise.core.errors import ArtifactError, NumericalError
 from rankwise.zoo.images import digits_task
-from rankwise.zoo.models import quiet_transformers, seeded, tiny_vit
+from rankwise.zoo.models import BUILD_THREADS, build_threads, quiet_transformers, seeded, tiny_vit
 from rankwise.zoo.tinylm import _major_minor, _progress, cache_dir
 
 __all__ = ["VIT_RECIPES", "TinyViTRecipe", "build_tiny_vit", "pretrained_vit", "tiny_vit_info", "tiny_vit_path"]
@@ -81,7 +81,8 @@ def _key(size: str) -> dict[str, Any]:
     import transformers
 
     return {"size": size, "recipe": asdict(_recipe(size)), "torch": _major_minor(torch.__version__),
-            "transformers": _major_minor(transformers.__version__), "sklearn": _major_minor(sklearn.__version__)}
+            "transformers": _major_minor(transformers.__version__), "sklearn": _major_minor(sklearn.__version__),
+            "build_threads": BUILD_THREADS}
 
 
 def tiny_vit_path(size: str = "small") -> Path:
@@ -169,7 +170,8 @@ def build_tiny_vit(size: str = "small", force: bool = False, progress: bool | No
         progress = sys.stderr.isatty()
     logger.info("building tiny_vit %r into %s", size, target)
     with io.atomic_dir(target, overwrite=True) as tmp:
-        metrics = _train(size, tmp, progress)
+        with build_threads():
+            metrics = _train(size, tmp, progress)
         io.write_json(tmp / _RECORD, {"key": _key(size), "metrics": metrics})
     logger.info("tiny_vit %r: source test accuracy %.3f, %.1f s", size, metrics["source_test_accuracy"],
                 metrics["build_time_s"])

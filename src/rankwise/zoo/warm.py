@@ -30,7 +30,7 @@ from rankwise.core.errors import ArtifactError
 from rankwise.core.io import atomic_dir
 from rankwise.core.steps import causal_lm_step
 from rankwise.core.lmdata import collate, encode_pair
-from rankwise.zoo.models import quiet_transformers, seeded
+from rankwise.zoo.models import BUILD_THREADS, build_threads, quiet_transformers, seeded
 from rankwise.zoo.synthetic import AdditionWorld, ArithmeticWorld, Example, P2DWorld, SafetyWorld
 from rankwise.zoo.tinylm import _major_minor, cache_dir
 
@@ -175,7 +175,7 @@ def _key(name: str) -> dict[str, Any]:
     base = recipe.pop("base")
     key = {"name": name, "recipe": recipe, "torch": _major_minor(torch.__version__),
            "transformers": _major_minor(transformers.__version__),
-           "tokenizers": _major_minor(tokenizers.__version__)}
+           "tokenizers": _major_minor(tokenizers.__version__), "build_threads": BUILD_THREADS}
     if base is not None:  # a fine-tuned recipe: its key covers its base's
         key["base"] = _key(base)
     return key
@@ -254,7 +254,8 @@ def build_warm(name: str, force: bool = False) -> dict[str, Any]:
             return record
     logger.info("building warm-up model %r into %s", name, target)
     with atomic_dir(target, overwrite=True) as tmp:
-        metrics = _train(name, tmp)
+        with build_threads():
+            metrics = _train(name, tmp)
         record = {"path": str(target), "key": _key(name), "metrics": metrics}
         (tmp / _RECORD).write_text(json.dumps(record, indent=2, sort_keys=True))
     return record

@@ -36,6 +36,7 @@ from torch import nn
 
 from rankwise.core import io
 from rankwise.zoo import cache_dir
+from rankwise.zoo.models import BUILD_THREADS, build_threads
 
 __all__ = ["RECIPES", "SRData", "SRNet", "SRRecipe", "bicubic_psnr", "build", "data", "model", "psnr",
            "synthetic_images"]
@@ -206,7 +207,8 @@ def bicubic_psnr(d: SRData) -> torch.Tensor:
 
 
 def _path(name: str, r: SRRecipe, seed: int) -> Path:
-    key = {"recipe": dataclasses.asdict(r), "seed": seed, "torch": ".".join(torch.__version__.split(".")[:2])}
+    key = {"recipe": dataclasses.asdict(r), "seed": seed, "torch": ".".join(torch.__version__.split(".")[:2]),
+           "build_threads": BUILD_THREADS}
     return cache_dir() / "condiquant" / f"{name}-s{seed}-{_digest(key)}.safetensors"
 
 
@@ -239,7 +241,9 @@ def model(recipe: str = "full", seed: int = 0, *, cache: bool = True, rebuild: b
         m.load_state_dict(io.load_tensors(path)[0])
         return m.eval()
     t0 = time.perf_counter()
-    m = _train(r, data(r, cache=cache), seed)
+    d = data(r, cache=cache)
+    with build_threads():
+        m = _train(r, d, seed)
     if cache:
         path.parent.mkdir(parents=True, exist_ok=True)
         io.save_tensors(path, {k: v.detach().clone() for k, v in m.state_dict().items()},

@@ -21,6 +21,7 @@ import torch
 from rankwise.science.diffbcp.prior import TinyVPDiffusion
 from rankwise.zoo import cache_dir
 from rankwise.zoo.images import digits_images
+from rankwise.zoo.models import BUILD_THREADS, build_threads
 
 __all__ = ["RECIPE", "build", "digits", "prior"]
 
@@ -41,7 +42,7 @@ def _path(seed: int, recipe: dict[str, Any]):
     import diffusers
 
     versions = {"torch": ".".join(torch.__version__.split("+")[0].split(".")[:2]),
-                "diffusers": ".".join(diffusers.__version__.split(".")[:2])}
+                "diffusers": ".".join(diffusers.__version__.split(".")[:2]), "build_threads": BUILD_THREADS}
     blob = json.dumps({"seed": seed, "recipe": recipe, "versions": versions}, sort_keys=True)
     return cache_dir() / "diffbcp" / f"digits16-s{seed}-{hashlib.sha256(blob.encode()).hexdigest()[:12]}.safetensors"
 
@@ -55,7 +56,7 @@ def prior(seed: int = 0, *, recipe: dict[str, Any] | None = None, rebuild: bool 
     if cache and path.is_file() and not rebuild:
         return TinyVPDiffusion.load(path)
     t0 = time.perf_counter()
-    with torch.random.fork_rng():
+    with torch.random.fork_rng(), build_threads():
         m = TinyVPDiffusion.train(digits("train"), steps=R["steps"], batch_size=R["batch"], lr=R["lr"], seed=seed,
                                   block_out_channels=tuple(R["channels"]), grid_steps=R["grid_steps"])
     if cache:

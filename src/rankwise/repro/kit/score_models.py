@@ -31,6 +31,7 @@ from rankwise.core import io
 from rankwise.core.errors import ArtifactError
 from rankwise.science import priorguide as pg
 from rankwise.zoo import cache_dir
+from rankwise.zoo.models import BUILD_THREADS, build_threads
 
 __all__ = ["Q_KINDS", "RECIPE", "TASKS", "build", "new_prior", "q_score_model", "q_task_data", "sbi_estimator",
            "score_model", "task_data", "train_prior"]
@@ -116,7 +117,7 @@ def q_task_data(task: str, kind: str, seed: int, n: int, noise: float = 0.1) -> 
 
 
 def _versions() -> dict[str, str]:
-    out = {"torch": ".".join(torch.__version__.split("+")[0].split(".")[:2])}
+    out = {"torch": ".".join(torch.__version__.split("+")[0].split(".")[:2]), "build_threads": str(BUILD_THREADS)}
     try:
         import sbi
 
@@ -149,7 +150,8 @@ def _fit_ours(theta: Tensor, x: Tensor, R: dict[str, Any], seed: int, path: Any,
     c0 = time.process_time()
     m = pg.ScoreDiffusion(theta.shape[1], x.shape[1], sigma_min=R["sigma_min"], sigma_max=R["sigma_max"],
                           hidden=R["ours_hidden"], layers=R["ours_layers"])
-    m.fit(theta, x, steps=R["ours_steps"], batch_size=R["ours_batch"], lr=R["ours_lr"], seed=seed)
+    with build_threads():
+        m.fit(theta, x, steps=R["ours_steps"], batch_size=R["ours_batch"], lr=R["ours_lr"], seed=seed)
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         m.save(path, {**meta, "recipe": R, "final_loss": m.fit_result.final_loss,
@@ -189,8 +191,9 @@ def sbi_estimator(task: str, seed: int = 0, *, recipe: dict[str, Any] | None = N
         except RuntimeError as e:
             raise ArtifactError(f"{path}: does not match the recipe's sbi estimator ({e}); rebuild") from None
         return est.eval()
-    est = sbi_peer.train_npse(theta, x, train_prior(task), epochs=R["sbi_epochs"], batch_size=R["sbi_batch"],
-                              hidden=R["sbi_hidden"], layers=R["sbi_layers"], seed=seed)
+    with build_threads():
+        est = sbi_peer.train_npse(theta, x, train_prior(task), epochs=R["sbi_epochs"], batch_size=R["sbi_batch"],
+                                  hidden=R["sbi_hidden"], layers=R["sbi_layers"], seed=seed)
     if cache:
         path.parent.mkdir(parents=True, exist_ok=True)
         io.save_tensors(path, dict(est.state_dict()), {"task": task, "seed": seed, "recipe": R})

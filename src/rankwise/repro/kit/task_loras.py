@@ -51,6 +51,7 @@ from rankwise.core import io
 from rankwise.core.errors import ArtifactError
 from rankwise.core.lora import AdapterState, add_lora, get_state
 from rankwise.zoo.tasks import text_task
+from rankwise.zoo.models import BUILD_THREADS, build_threads
 from rankwise.zoo.tinylm import cache_dir
 
 __all__ = ["RECIPE", "TASKS", "TaskData", "TaskLoRA", "encode_task", "shared_encodings", "task_lora",
@@ -123,7 +124,8 @@ def _key(task: str, seed: int, recipe: dict[str, Any]) -> str:
 
     blob = json.dumps({"recipe": recipe, "task": task, "seed": seed, "corpus": corpus().info["sha256"],
                        "torch": ".".join(torch.__version__.split(".")[:2]),
-                       "transformers": ".".join(transformers.__version__.split(".")[:2])}, sort_keys=True)
+                       "transformers": ".".join(transformers.__version__.split(".")[:2]),
+                       "build_threads": BUILD_THREADS}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -264,7 +266,8 @@ def task_lora(task: str, seed: int = 0, *, recipe: dict[str, Any] | None = None,
         bert, tokenizer = minilm()
     t0 = time.perf_counter()
     c0 = time.process_time()
-    state, head, metrics = _train(task, seed, R, bert, tokenizer)
+    with build_threads():
+        state, head, metrics = _train(task, seed, R, bert, tokenizer)
     metrics["train_wall_s"] = time.perf_counter() - t0
     metrics["train_cpu_s"] = time.process_time() - c0
     labels = list(text_task(task, seed=seed, max_train=R["max_train"], max_test=R["max_test"]).labels)

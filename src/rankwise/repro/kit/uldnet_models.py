@@ -23,6 +23,7 @@ from rankwise.core import io
 from rankwise.science import uldnet
 from rankwise.zoo import cache_dir
 from rankwise.zoo.images import digits_task
+from rankwise.zoo.models import BUILD_THREADS, build_threads
 
 __all__ = ["ARMS", "RECIPE", "build", "config", "data", "model"]
 
@@ -54,7 +55,8 @@ def _arch(arm: str, sizes: tuple[int, ...], seed: int, recipe: dict[str, Any]) -
 
 def _path(arm: str, sizes: tuple[int, ...], seed: int, recipe: dict[str, Any]):
     blob = json.dumps({"arm": arm, "sizes": sizes, "seed": seed, "recipe": recipe,
-                       "torch": ".".join(torch.__version__.split(".")[:2])}, sort_keys=True)
+                       "torch": ".".join(torch.__version__.split(".")[:2]), "build_threads": BUILD_THREADS},
+                      sort_keys=True)
     digest = hashlib.sha256(blob.encode()).hexdigest()[:12]
     return cache_dir() / "uldnet" / f"{arm}-{'x'.join(map(str, sizes))}-s{seed}-{digest}.safetensors"
 
@@ -76,7 +78,8 @@ def model(arm: str, seed: int = 0, sizes: tuple[int, ...] = DEEP, *, recipe: dic
     perm = torch.randperm(len(xtr), generator=gen)
     loader = [(xtr[perm[i:i + R["batch"]]], ytr[perm[i:i + R["batch"]]]) for i in range(0, len(xtr), R["batch"])]
     torch.manual_seed(seed)
-    uldnet.train(m, loader, epochs=R["epochs"], config=config(arm, R), lr=R["lr"])
+    with build_threads():
+        uldnet.train(m, loader, epochs=R["epochs"], config=config(arm, R), lr=R["lr"])
     if cache:
         path.parent.mkdir(parents=True, exist_ok=True)
         io.save_tensors(path, {k: v.detach().clone() for k, v in m.state_dict().items()},
