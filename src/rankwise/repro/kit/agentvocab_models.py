@@ -82,26 +82,20 @@ def stage1_path(name: str = "small") -> Path:
 
 
 def _build(name: str, path: Path) -> dict[str, Any]:
-    import torch
-
     from rankwise.core.io import atomic_dir
     from rankwise.infer.agentvocab import MARKERS, add_markers, render_corpus, sft_train
     from rankwise.zoo import tiny_lm
     from rankwise.zoo.agent_traces import agent_traces
-    from rankwise.zoo.models import quiet_transformers
+    from rankwise.zoo.models import build_threads, quiet_transformers
 
     r = RECIPES[name]
     t0, cpu0 = time.perf_counter(), time.process_time()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(r.threads)
-    try:
+    with build_threads(r.threads):
         model, tok = tiny_lm(r.lm)
         tok, added = add_markers(model, tok, MARKERS)
         rendered, _ = render_corpus(agent_traces(r.n_train, 0))
         losses = sft_train(model, tok, rendered, steps=r.steps, lr=r.lr, batch_size=r.batch_size,
                            max_length=r.max_length, seed=0)
-    finally:
-        torch.set_num_threads(threads)
     info = {"recipe": name, **asdict(r), "markers_added": added, "final_loss": sum(losses[-20:]) / max(1, len(losses[-20:])),
             "first_loss": losses[0] if losses else None, "build_s": time.perf_counter() - t0,
             "build_cpu_s": time.process_time() - cpu0}
@@ -218,10 +212,9 @@ def _train(recipe: ArmsRecipe) -> list[Any]:
 def mined_vocab(recipe: ArmsRecipe, rebuild: bool = False) -> dict[str, Any]:
     """The seed-independent vocabulary of ``recipe`` (cached JSON): the mixed tokens, the structural-only
     contrast's tokens (``{"text", "stream", "score", "freq"}`` each) and the candidate counts."""
-    import torch
-
     from rankwise.core.io import read_json, write_json
     from rankwise.infer.agentvocab import AgentVocab, AgentVocabConfig
+    from rankwise.zoo.models import build_threads
 
     path = vocab_path(recipe)
     if path.is_file() and not rebuild:
@@ -229,9 +222,7 @@ def mined_vocab(recipe: ArmsRecipe, rebuild: bool = False) -> dict[str, Any]:
     r = recipe
     cpu0 = time.process_time()
     base, tok0, s1 = stage1(r.stage1)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(r.threads)
-    try:
+    with build_threads(r.threads):
         train = _train(r)
         av = AgentVocab(tok0, AgentVocabConfig(structural_budget=r.structural_budget, content_budget=r.content_budget,
                                                min_freq=r.min_freq, grad_samples=r.grad_samples))
@@ -246,18 +237,14 @@ def mined_vocab(recipe: ArmsRecipe, rebuild: bool = False) -> dict[str, Any]:
                 "mean_init_error": _mean_init_error(expanded, base, tok0, [c.text for c in mixed]),
                 "stage1": {k: s1[k] for k in ("lm", "final_loss", "steps", "n_train")},
                 "build_cpu_s": time.process_time() - cpu0}
-    finally:
-        torch.set_num_threads(threads)
     write_json(path, info)
     return info
 
 
 def _build_arm(recipe: ArmsRecipe, seed: int, arm: str, path: Path) -> dict[str, Any]:
-    import torch
-
     from rankwise.core.io import atomic_dir
     from rankwise.infer.agentvocab import AgentVocab, AgentVocabConfig, sft_train
-    from rankwise.zoo.models import quiet_transformers
+    from rankwise.zoo.models import build_threads, quiet_transformers
 
     r = recipe
     t0, cpu0 = time.perf_counter(), time.process_time()
@@ -265,13 +252,9 @@ def _build_arm(recipe: ArmsRecipe, seed: int, arm: str, path: Path) -> dict[str,
     if arm == "agentvocab":
         texts = [c["text"] for c in mined_vocab(r)["mixed"]]
         tok, _ = AgentVocab(tok, AgentVocabConfig()).expand(model, texts)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(r.threads)
-    try:
+    with build_threads(r.threads):
         losses = sft_train(model, tok, _train(r), steps=r.steps, lr=r.lr, batch_size=r.batch_size,
                            max_length=r.max_length, seed=seed)
-    finally:
-        torch.set_num_threads(threads)
     info = {"recipe": asdict(r), "seed": seed, "arm": arm, "first_loss": losses[0] if losses else None,
             "final_loss": sum(losses[-20:]) / max(1, len(losses[-20:])), "build_s": time.perf_counter() - t0,
             "build_cpu_s": time.process_time() - cpu0}

@@ -28,6 +28,7 @@ import torch
 
 from rankwise.core.io import atomic_dir, read_json, write_json
 from rankwise.zoo import cache_dir, digits_images
+from rankwise.zoo.models import build_threads
 
 __all__ = ["ARPCRecipe", "RECIPES", "build", "codec_path", "digits", "zoo_codec"]
 
@@ -87,15 +88,11 @@ def _build_one(size: str, seed: int) -> Path:
     r = _recipe(size)
     path = codec_path(size, seed)
     train, _ = digits(r.n_train)
-    before = torch.get_num_threads()
-    torch.set_num_threads(r.threads)
-    try:
+    with build_threads(r.threads):
         t0 = time.perf_counter()
         codec = ARPCCodec(ARPCConfig(**r.config))
         fit = codec.fit(train, steps=r.steps, batch_size=r.batch_size, lr=r.lr, seed=seed)
         seconds = time.perf_counter() - t0
-    finally:
-        torch.set_num_threads(before)
     with atomic_dir(path, overwrite=True) as tmp:
         codec.save(tmp / "codec.safetensors")
         write_json(tmp / "info.json", {"size": size, "seed": seed, "recipe": asdict(r), "build_seconds": seconds,

@@ -174,15 +174,13 @@ def model_path(recipe_name: str, corpus_kind: str, size: str, seed: int, recipe:
 
 def _train(recipe_name: str, r: SambalRecipe, corpus_kind: str, size: str, seed: int, path: Path | None) -> Any:
     from rankwise.train.pretrain import eval_windows, make_optimizer, pretrain
-    from rankwise.zoo.models import seeded
+    from rankwise.zoo.models import build_threads, seeded
 
     g = grammar(r)
     tok = tokenizer(g)
     train = stream(tok, corpus(g, corpus_kind, r.tokens, seed))
     valid = stream(tok, corpus(g, corpus_kind, r.tokens, seed, split="valid"))
-    before = torch.get_num_threads()
-    torch.set_num_threads(r.threads)
-    try:
+    with build_threads(r.threads):
         t0 = time.perf_counter()
         model = new_model(size, len(tok), r.seq_len, seed, tok)
         opt = make_optimizer("adamw", model, r.lr)
@@ -193,8 +191,6 @@ def _train(recipe_name: str, r: SambalRecipe, corpus_kind: str, size: str, seed:
                            batch_size=r.batch_size, seed=seed, warmup=max(1, r.steps // 20),
                            eval_every=max(1, r.steps // 4), final_lr=0.1, grad_clip=r.grad_clip)
         seconds = time.perf_counter() - t0
-    finally:
-        torch.set_num_threads(before)
     if res.diverged:
         raise RuntimeError(f"SAMBAL model {corpus_kind}/{size}/seed {seed} diverged at step {res.diverged_at}")
     model.eval()
