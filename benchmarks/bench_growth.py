@@ -11,6 +11,10 @@ spread) beside the one the algorithm's cost predicts:
 * ``ctm_merge`` — CtM (:func:`rankwise.merge.ctm.merge`, TA rule) of ``T = 8`` rank-16 LoRAs of one
   ``d x d`` module: thin SVDs of the ``d x 128`` factor stacks and a Tucker core of fixed size, ``O(d R^2)``
   with ``R = T r``: expected 1 (the fixed-size core work flattens the fit at small ``d``);
+* ``ctm_merge_wide`` — the same merge at ``d`` = 4096, 16384, 65536 (``RANKWISE_BENCH_GROWTH_WIDE_SIZES``):
+  the sizes where the ``O(d R^2)`` bases, not the ``d``-independent Tucker core (about 60 ms per module on
+  the benchmark's adapters), take most of the time, so the fit can show the linear growth; expected 1.
+  PEFT's merge has no such row: its dense ``d x d`` update does not fit in memory at ``d = 65536``;
 * ``peft_svd_merge`` — PEFT's ``add_weighted_adapter(combination_type="svd")`` of the same LoRAs: the dense
   ``d x d`` update and its full SVD (``full_matrices=True``): expected 3.
 
@@ -30,6 +34,8 @@ from benchmarks.harness import Case, Goal
 
 SIZES = [int(s) for s in os.environ.get("RANKWISE_BENCH_GROWTH_SIZES", "1024,2048,4096").split(",")]
 SMOKE_SIZES = [64, 128, 256]
+WIDE_SIZES = [int(s) for s in os.environ.get("RANKWISE_BENCH_GROWTH_WIDE_SIZES", "4096,16384,65536").split(",")]
+SMOKE_WIDE_SIZES = [256, 512, 1024]
 T, RANK = 8, 16
 
 
@@ -105,15 +111,16 @@ def _growth(name: str, make: Callable[[int], Callable[[], Callable[[], Any]]], e
                         "note": "ratio_vs_anchor = t(d) / t(smallest d)"})
 
 
-def _cases(sizes: list[int]) -> list[Case]:
+def _cases(sizes: list[int], wide: list[int]) -> list[Case]:
     return [
         _growth("swift_svd_dxd", lambda d: _decompose("swift-svd", d), 3.0, sizes),
         _growth("svd_llm_dxd", lambda d: _decompose("svd-llm", d), 3.0, sizes),
         _growth("ctm_merge", _ctm, 1.0, sizes),
+        _growth("ctm_merge_wide", _ctm, 1.0, wide),
         _growth("peft_svd_merge", _peft, 3.0, sizes),
     ]
 
 
-CASES = _cases(SIZES)
+CASES = _cases(SIZES, WIDE_SIZES)
 #: What ``--smoke`` runs: every case at small sizes (a check that it runs, never tabulated).
-SMOKE_CASES = _cases(SMOKE_SIZES)
+SMOKE_CASES = _cases(SMOKE_SIZES, SMOKE_WIDE_SIZES)
