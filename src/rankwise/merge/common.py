@@ -14,7 +14,8 @@ every such method repeats:
   :func:`core_factors` (:func:`core_space` gives all four, concatenating the factors once);
 * :func:`truncate` / :func:`lowrank_factors`: the best rank-r factors by SVD (Eckart–Young), with the
   Iso-C flattening of the kept singular values as an option (:func:`flatten_isotropic`);
-* :func:`out_state` checks the merged factors and builds the output state (alpha = r, scaling 1).
+* :func:`out_state` checks the merged factors and builds the output state (alpha = r, scaling 1);
+* :func:`map_modules` runs the per-module work of a merge on a few threads, one module per thread.
 
 Numerics: every factorisation runs in float64 (:data:`FP`); singular vectors are sign-fixed (largest
 |entry| of each left vector positive), so outputs are deterministic.
@@ -25,8 +26,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import struct
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 import torch
 from torch import Tensor
@@ -46,6 +48,7 @@ __all__ = [
     "core_space",
     "flatten_isotropic",
     "lowrank_factors",
+    "map_modules",
     "module_factors",
     "out_state",
     "scaled_factors",
@@ -55,6 +58,9 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+_Item = TypeVar("_Item")
+_Out = TypeVar("_Out")
 
 #: the dtype of every factorisation
 FP = torch.float64
@@ -307,3 +313,45 @@ def out_state(inputs: MergeInputs, factors: dict[str, dict[str, Tensor]], rank: 
         cfg["base_model_name_or_path"] = inputs.base_model
     cfg.update(config)
     return AdapterState(cfg, factors, {m: 1.0 for m in inputs.modules}, inputs.fingerprint)
+
+
+# ------------------------------------------------------------------------------------------------
+# modules in parallel
+# ------------------------------------------------------------------------------------------------
+
+def map_modules(fn: Callable[[_Item], _Out], items: Sequence[_Item], workers: int | None = None) -> list[_Out]:
+    """``[fn(x) for x in items]``, computed on ``workers`` threads (default ``torch.get_num_threads()``)
+    that each run one item at a time on ONE intra-op thread; results in the order of ``items``.
+
+    The modules of a merge are independent, and much of a module's work is a long chain of small
+    (``R x R``, ``R = Σ r_t ~ 10^2``) factorisations that a second intra-op thread cannot speed up
+    (:func:`rankwise.merge.ctm.tucker2` runs them on one): one module per thread keeps every core busy.
+    With two or more workers every item is computed on one intra-op thread, so the results do not depend
+    on how many; with one worker (or one item) ``fn`` runs here, on the caller's threads (the same
+    result to rounding: a factorisation's sums may be split differently). The first exception, in
+    the order of ``items``, is raised once the running items have finished; items not yet started are
+    cancelled. The caller's thread count is restored afterwards (torch keeps one process-wide value).
+    """
+    items = list(items)
+    n = torch.get_num_threads()
+    workers = n if workers is None else int(workers)
+    workers = max(1, min(workers, len(items)))
+    if workers == 1:
+        return [fn(x) for x in items]
+
+    def run(x: _Item) -> _Out:
+        torch.set_num_threads(1)  # this thread's intra-op pool; torch also records it process-wide
+        return fn(x)
+
+    futures: list[Future[_Out]] = []
+    try:
+        with ThreadPoolExecutor(workers, thread_name_prefix="rankwise-merge") as pool:
+            futures = [pool.submit(run, x) for x in items]
+            try:
+                return [f.result() for f in futures]
+            except BaseException:
+                for f in futures:
+                    f.cancel()
+                raise
+    finally:
+        torch.set_num_threads(n)

@@ -50,6 +50,7 @@ from rankwise.merge.common import (
     core_space,
     flatten_isotropic,
     lowrank_factors,
+    map_modules,
     module_factors,
     out_state,
     sign_fix,
@@ -166,17 +167,21 @@ def merge(adapters: Sequence[AdapterState], config: MergeConfig | None = None) -
         raise TypeError(f"merge: config must be a MergeConfig, got {type(cfg).__name__}")
     inputs = check_adapters(adapters, "merge")
     check_rank_fits(inputs, cfg.rank, "merge")
-    factors = {}
-    for mod in inputs.modules:
+    iso = cfg.rule == "iso_c"
+
+    def one(mod: str) -> dict[str, Tensor]:
         d = merged_delta_module(inputs, mod, cfg)
-        iso = cfg.rule == "iso_c"
         if isinstance(d, tuple):  # core space: truncate the R x R core, lift (== truncation in full space)
             U_B, M, V_A = d
             U, S, Vh = torch.linalg.svd(M, full_matrices=False)
-            B, A = lowrank_factors(U_B @ U, S, Vh @ V_A.T, cfg.rank, iso)
+            k = min(cfg.rank, S.shape[0])  # lift only the kept directions: (m, k), not (m, R)
+            B, A = lowrank_factors(U_B @ U[:, :k], S[:k], Vh[:k] @ V_A.T, cfg.rank, iso)
         else:
             B, A = truncate(d, cfg.rank, isotropic=iso)
-        factors[mod] = {"lora_A": A, "lora_B": B}
+        return {"lora_A": A, "lora_B": B}
+
+    # independent modules, one per thread (map_modules); in full space each thread holds one dense m x n
+    factors = dict(zip(inputs.modules, map_modules(one, inputs.modules)))
     return out_state(inputs, factors, cfg.rank,
                      {"method": f"mtc-{cfg.space}-{cfg.rule}", "merge": {
                          "rule": cfg.rule, "space": cfg.space, "density": cfg.density,

@@ -57,6 +57,7 @@ from rankwise.merge.common import (
     check_rank_fits,
     core_space,
     lowrank_factors,
+    map_modules,
     module_factors,
     out_state,
     sign_fix,
@@ -222,19 +223,22 @@ class _Warm:
     def __call__(self, Xt: Tensor, Q0: Tensor) -> tuple[Tensor, Tensor] | None:
         if WARM_STEPS < 1:
             return None
-        Z, used, need, last, first = Q0, 0, min(self.need, WARM_STEPS), None, True
+        # the bases are kept transposed, (r, R) rows: MKL's float64 products with the short side
+        # first, (r, R) @ (R, R), take ~60 % of the time of (R, R) @ (R, r) at R = 128, r = 16
+        Zt, used, need, last, first = Q0.mT, 0, min(self.need, WARM_STEPS), None, True
         while True:
             for _ in range(need):
-                Z = Xt.T @ (Xt @ Z)
+                Zt = (Zt @ Xt.mT) @ Xt                   # (G Z)ᵀ = (Xt Z)ᵀ Xt
             used += need
-            Q = torch.linalg.qr(Z).Q
-            B = Xt @ Q
-            H = B.T @ B
-            Z = Xt.T @ B                                 # G Q: the residual's product, and the next power
+            Q = torch.linalg.qr(Zt.mT).Q
+            Qt = Q.mT
+            Bt = Qt @ Xt.mT                              # (Xt Q)ᵀ
+            H = Bt @ Bt.mT
+            Zt = Bt @ Xt                                 # (G Q)ᵀ: the residual's product, and the next power
             top = float(H.diagonal().max())              # a lower bound of λ_1
             if top <= 0.0:
                 return None
-            res = float(torch.linalg.matrix_norm(Z - Q @ H)) / top
+            res = float(torch.linalg.matrix_norm(Zt - H @ Qt)) / top  # ||G Q - Q H||_F (H symmetric)
             if last is not None:
                 rate = (res / last) ** (1.0 / (need + 1)) if res > 0.0 else 0.0  # G Q and need more
                 if rate >= 1.0:
@@ -277,6 +281,13 @@ def _gram(Y: Tensor) -> Tensor:
     """``Σ_t Y_t Y_tᵀ`` for ``Y (T, R, k)``: the Gram matrix of ``[Y_1 ... Y_T]`` ``(R, T k)``."""
     X = _unfold(Y)
     return X @ X.T
+
+
+def _factored_gram(L: Tensor, K: Tensor) -> Tensor:
+    """``Σ_t M_t M_tᵀ`` for ``M_t = L_t K_tᵀ`` (``L``, ``K`` each ``(T, R, k)``), as one ``(R, T k) @ (T k, R)`` product."""
+    T, R, k = L.shape
+    Y = L @ (K.mT @ K)                                   # (T, R, k): L_t K_tᵀ K_t
+    return Y.permute(1, 0, 2).reshape(R, T * k) @ L.permute(1, 0, 2).reshape(R, T * k).T
 
 
 class _Updater:
@@ -325,9 +336,16 @@ def _products(M: Tensor, factors: tuple[Tensor, Tensor] | None) -> tuple[Callabl
     T, R, _ = M.shape
     if factors is not None and R >= WARM_MIN_R:
         L, K = factors
+        k = L.shape[2]
         Lt, Kt = L.mT.contiguous(), K.mT.contiguous()
-        # (M_t S)ᵀ = (Sᵀ K_t) L_tᵀ, (M_tᵀ P)ᵀ = (Pᵀ L_t) K_tᵀ: (T, r, R), rows (t, i)
-        return (lambda S: ((S.T @ K) @ Lt).view(-1, R)), (lambda P: ((P.T @ L) @ Kt).view(-1, R))
+        Lc, Kc = (f.permute(1, 0, 2).reshape(R, T * k) for f in (L, K))  # [L_1 ... L_T], [K_1 ... K_T]
+        # (M_t S)ᵀ = (Sᵀ K_t) L_tᵀ, (M_tᵀ P)ᵀ = (Pᵀ L_t) K_tᵀ: (T, r, R), rows (t, i); the T products
+        # Sᵀ K_t as one (r, R) @ (R, T k) product (a broadcast batched one copies Sᵀ T times)
+
+        def times(Vt: Tensor, Fc: Tensor, Gt: Tensor) -> Tensor:
+            return ((Vt @ Fc).view(-1, T, k).transpose(0, 1) @ Gt).view(-1, R)
+
+        return (lambda S: times(S.mT, Kc, Lt)), (lambda P: times(P.mT, Lc, Kt))
     # (Sᵀ M_tᵀ)[i, j] = Σ_a S[a, i] M_t[j, a] and (Pᵀ M_t)[i, j] = Σ_a P[a, i] M_t[a, j]: one product each
     # with the (R, T R) layouts below; rows (i, t)
     Ncol = M.permute(2, 0, 1).reshape(R, T * R)
@@ -394,8 +412,13 @@ def _hooi(M: Tensor, rank: int, iters: int, tol: float, warm: bool,
         if total == 0.0:
             eye = torch.eye(R, rank, dtype=FP)
             return HOOIResult(eye, eye.clone(), 0.0, 0.0, 0, True, 0.0)
-        P = _top_eigvecs(_gram(M), rank)[0]
-        S = _top_eigvecs(_gram(M.mT), rank)[0]
+        if factors is not None and R >= WARM_MIN_R:
+            L, K = factors  # Σ_t M_t M_tᵀ = Σ_t L_t (K_tᵀ K_t) L_tᵀ: O(T R² k) instead of O(T R³)
+            P = _top_eigvecs(_factored_gram(L, K), rank)[0]
+            S = _top_eigvecs(_factored_gram(K, L), rank)[0]
+        else:
+            P = _top_eigvecs(_gram(M), rank)[0]
+            S = _top_eigvecs(_gram(M.mT), rank)[0]
         obj0 = obj = tucker_objective(M, P, S)
         err = math.sqrt(max(0.0, 1.0 - obj / total))
         it, converged = 0, rank == R
@@ -538,23 +561,29 @@ def merge_with_report(adapters: Sequence[AdapterState], config: CtMConfig | None
     report = CtMReport()
     factors: dict[str, dict[str, Tensor]] = {}
     T = len(inputs.adapters)
-    for mod in inputs.modules:
-        m, n = inputs.shapes[mod]
+
+    def one(mod: str) -> tuple[list[int], LayerResult | None]:
         Bs, As, kept = module_factors(inputs, mod)
-        R = sum(int(b.shape[1]) for b in Bs)
         if not Bs:
+            return kept, None
+        R = sum(int(b.shape[1]) for b in Bs)
+        # zero adapters skipped: fewer directions than asked; the output is padded with zeros below
+        return kept, ctm_merge_layer(Bs, As, replace(cfg, rank=R) if R < cfg.rank else cfg, name=mod)
+
+    # the modules are independent: merged on the available threads, one module per thread
+    # (map_modules), so only a few modules' float64 factors live at once
+    for mod, (kept, res) in zip(inputs.modules, map_modules(one, inputs.modules)):
+        m, n = inputs.shapes[mod]
+        if res is None:
             factors[mod] = {"lora_A": torch.zeros(cfg.rank, n, dtype=FP), "lora_B": torch.zeros(m, cfg.rank, dtype=FP)}
             report.kept_energy[mod] = [None] * T
             report.hooi[mod] = {"iterations": 0, "converged": True, "skipped": "all adapters are zero"}
             continue
-        layer_cfg = cfg
-        if R < cfg.rank:  # zero adapters were skipped: fewer directions than asked; pad with zeros
-            layer_cfg = replace(cfg, rank=R)
-        res = ctm_merge_layer(Bs, As, layer_cfg, name=mod)
         B, A = res.B, res.A
-        if layer_cfg.rank < cfg.rank:
-            B = torch.cat([B, B.new_zeros(m, cfg.rank - layer_cfg.rank)], 1)
-            A = torch.cat([A, A.new_zeros(cfg.rank - layer_cfg.rank, n)], 0)
+        got = B.shape[1]
+        if got < cfg.rank:
+            B = torch.cat([B, B.new_zeros(m, cfg.rank - got)], 1)
+            A = torch.cat([A, A.new_zeros(cfg.rank - got, n)], 0)
         factors[mod] = {"lora_A": A, "lora_B": B}
         energy: list[float | None] = [None] * T
         for j, i in enumerate(kept):
