@@ -64,6 +64,21 @@ def test_parallel_ctm_equals_its_module_by_module_definition(threads):
         assert float((got - expect).norm() / expect.norm()) < 1e-6, mod  # float32 output factors
 
 
+def test_full_space_merges_stay_one_module_at_a_time(threads, monkeypatch):
+    # each module of a full-space merge holds dense m x n matrices: running several at once would
+    # multiply the peak memory by the thread count
+    import rankwise.merge.mtc as mtc
+
+    seen = []
+    real = mtc.map_modules
+    monkeypatch.setattr(mtc, "map_modules", lambda fn, items, workers=None: seen.append(workers) or real(fn, items, workers))
+    torch.set_num_threads(2)
+    ads = [lora(i) for i in range(3)]
+    for space in ("full", "knots", "core"):
+        mtc_merge(ads, MergeConfig(rank=4, rule="ties", space=space))
+    assert seen == [1, 1, None]
+
+
 def test_map_modules_keeps_order_and_uses_one_intra_op_thread(threads):
     torch.set_num_threads(2)
     seen = []

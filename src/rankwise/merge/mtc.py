@@ -180,8 +180,11 @@ def merge(adapters: Sequence[AdapterState], config: MergeConfig | None = None) -
             B, A = truncate(d, cfg.rank, isotropic=iso)
         return {"lora_A": A, "lora_B": B}
 
-    # independent modules, one per thread (map_modules); in full space each thread holds one dense m x n
-    factors = dict(zip(inputs.modules, map_modules(one, inputs.modules)))
+    # in core space the modules are merged one per thread (map_modules): each holds O((m + n) R); the
+    # full-space and KnOTS merges hold dense m x n matrices (T of them for the entry-wise rules), so they
+    # stay one module at a time, their large SVDs on the intra-op threads
+    workers = None if cfg.space == "core" else 1
+    factors = dict(zip(inputs.modules, map_modules(one, inputs.modules, workers)))
     return out_state(inputs, factors, cfg.rank,
                      {"method": f"mtc-{cfg.space}-{cfg.rule}", "merge": {
                          "rule": cfg.rule, "space": cfg.space, "density": cfg.density,
