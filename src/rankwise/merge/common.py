@@ -343,14 +343,13 @@ def map_modules(fn: Callable[[_Item], _Out], items: Sequence[_Item], workers: in
         torch.set_num_threads(1)  # this thread's intra-op pool; torch also records it process-wide
         return fn(x)
 
-    futures: list[Future[_Out]] = []
     try:
         with ThreadPoolExecutor(workers, thread_name_prefix="rankwise-merge") as pool:
-            futures = [pool.submit(run, x) for x in items]
+            futures: list[Future[_Out]] = [pool.submit(run, x) for x in items]
             try:
                 return [f.result() for f in futures]
             except BaseException:
-                for f in futures:
+                for f in futures:  # the pool's exit then waits only for the running ones
                     f.cancel()
                 raise
     finally:
