@@ -430,3 +430,94 @@ def test_warm_start_gives_up_on_a_slow_subspace_and_tucker2_falls_back_to_eigh(m
     M = torch.randn(3, 64, 64, generator=torch.Generator().manual_seed(1), dtype=torch.float64)  # R >= WARM_MIN_R
     a, b = tucker2(M, 3), tucker2(M, 3, warm=False)
     assert torch.equal(a.P, b.P) and torch.equal(a.S, b.S) and a.iterations == b.iterations
+
+
+def _lora_factors(D, ranks, seed, beta=0.25):
+    """Balanced core factors (L c, K) of random LoRAs and M = (L c) Kᵀ, as ctm_merge_layer builds them."""
+    import rankwise.merge.ctm as ctm
+    from rankwise.merge.common import core_space
+
+    g = torch.Generator().manual_seed(seed)
+    Bs = [torch.randn(D, r, generator=g, dtype=torch.float64) / D ** 0.5 for r in ranks]
+    As = [torch.randn(r, D, generator=g, dtype=torch.float64) / D ** 0.5 for r in ranks]
+    _, _, L, K = core_space(Bs, As)
+    c = ctm._balance_scale(L @ K.mT, beta)
+    L = L * c[:, None, None]
+    return L @ K.mT, L, K
+
+
+def _spy_coords(monkeypatch):
+    import rankwise.merge.ctm as ctm
+
+    seen = {"updates": 0, "degenerate": 0}
+    real = ctm._Coords.__call__
+
+    def spy(self, *a):
+        try:
+            out = real(self, *a)
+        except ctm._Degenerate:
+            seen["degenerate"] += 1
+            raise
+        seen["updates"] += 1
+        return out
+    monkeypatch.setattr(ctm._Coords, "__call__", spy)
+    return seen
+
+
+@pytest.mark.parametrize("D,ranks,rank,tol", [(1024, [16] * 8, 16, 1e-6), (512, [16, 8, 24, 16, 12, 20], 12, 1e-8),
+                                              (256, [8] * 12, 5, 1e-10)])
+def test_sweeps_in_adapter_coordinates_follow_the_eigh_iterates(monkeypatch, D, ranks, rank, tol):
+    # with M_t = L_t K_tᵀ given, the sweeps run on F = C N Cᵀ (T r x T r) instead of G (R x R): the same
+    # nonzero spectrum, the same updates to ~1e-11 (equal and unequal ranks: padded factors)
+    M, L, K = _lora_factors(D, ranks, seed=D + len(ranks))
+    b = tucker2(M, rank, tol=tol, warm=False)
+    seen = _spy_coords(monkeypatch)
+    a = tucker2(M, rank, tol=tol, factors=(L, K))
+    assert seen["updates"] >= 2 * a.iterations > 10 and seen["degenerate"] == 0  # every update in coordinates
+    assert a.iterations == b.iterations and a.converged == b.converged
+    assert a.objective == pytest.approx(b.objective, rel=1e-12)
+    assert float((a.P - b.P).abs().max()) < 1e-7 and float((a.S - b.S).abs().max()) < 1e-7
+    eye = torch.eye(rank, dtype=torch.float64)
+    assert float((a.P.T @ a.P - eye).abs().max()) < 1e-12 and float((a.S.T @ a.S - eye).abs().max()) < 1e-12
+
+
+def test_coordinates_are_used_only_where_they_are_smaller_and_not_on_degenerate_spectra(monkeypatch):
+    import rankwise.merge.ctm as ctm
+
+    seen = _spy_coords(monkeypatch)
+    # T r > R (rank 12 from four rank-8 adapters: F would be 48 x 48 > R = 32 and R < WARM_MIN_R anyway)
+    M, L, K = _lora_factors(128, [8] * 4, seed=1)
+    tucker2(M, 12, factors=(L, K))
+    M, L, K = _lora_factors(512, [16] * 8, seed=2)
+    tucker2(M, 9, factors=(L, K), warm=False)  # warm=False: eigh in R-space, every sweep
+    assert seen["updates"] == 0
+    # eight adapters of rank 16 whose B_t have rank 1: G has rank <= 8 < r = 16, the kept eigenvalues include
+    # zeros, so the coordinate map X U H^(-1/2) is undefined; the sweeps rerun in R-space from the same start
+    g = torch.Generator().manual_seed(3)
+    Bs = [torch.randn(300, 1, generator=g, dtype=torch.float64) @ torch.randn(1, 16, generator=g, dtype=torch.float64)
+          for _ in range(8)]
+    As = [torch.randn(16, 300, generator=g, dtype=torch.float64) for _ in range(8)]
+    from rankwise.merge.common import core_space
+    _, _, L, K = core_space(Bs, As)
+    M = L @ K.mT
+    a, b = tucker2(M, 16, factors=(L, K)), tucker2(M, 16, warm=False)
+    assert seen["degenerate"] == 1
+    assert a.iterations == b.iterations and a.objective == pytest.approx(b.objective, rel=1e-10)
+
+
+def test_warm_start_on_an_explicit_gram_matrix_is_the_factored_one():
+    import rankwise.merge.ctm as ctm
+
+    # _Warm(sym=True) takes G itself (one product per application) and accepts the same subspace
+    g = torch.Generator().manual_seed(6)
+    scale = torch.cat([torch.linspace(3.0, 2.0, 6), torch.linspace(0.3, 0.01, 74)]).to(torch.float64)  # a gap after 6
+    Xt = torch.randn(96, 80, generator=g, dtype=torch.float64) * scale
+    G = Xt.T @ Xt
+    top = torch.linalg.eigh(G)[1][:, -6:]
+    V0 = torch.linalg.qr(top + 1e-3 * torch.randn(80, 6, generator=g, dtype=torch.float64)).Q
+    w = ctm._Warm(sym=True)
+    Q1, e1 = w(G, V0)
+    Q2, e2 = ctm._Warm()(Xt, V0)
+    assert float((Q1 @ Q1.T - Q2 @ Q2.T).abs().max()) < 1e-9
+    assert float(e1) == pytest.approx(float(e2), rel=1e-12)
+    assert torch.allclose(w.H, Q1.T @ G @ Q1, atol=1e-10)

@@ -199,7 +199,9 @@ WARM_MIN_R = 64
 class _Warm:
     """One factor's warm-started HOOI updates: an orthonormal basis of the top-``r`` eigenspace of
     ``G = Xtᵀ Xt`` (``Xt (T r, R)``: the rows of ``X = [Y_1 ... Y_T]ᵀ``, in any order), started from the
-    previous sweep's basis ``Q0`` and never forming ``G``.
+    previous sweep's basis ``Q0`` and never forming ``G``; with ``sym=True`` the argument is the symmetric
+    PSD matrix ``G`` itself (one product per application: :class:`_Coords`). The accepted subspace's
+    ``H = Qᵀ G Q`` is kept as :attr:`H`.
 
     HOOI only needs the *subspace* in every sweep (the next Gram matrix and the objective depend on
     ``span(P)``, ``span(S)`` only), so an update is plain subspace iteration: ``Z = G^k Q0``, ``Q =
@@ -216,9 +218,11 @@ class _Warm:
     ``λ_r``); the caller then runs eigh (:class:`_Updater`).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, sym: bool = False) -> None:
+        self.sym = sym   # Xt is G itself (symmetric), not a factor of it: one product per application
         self.rate = 0.0  # measured residual decrease per application of G (0: not known yet)
         self.need = 1    # applications of G before the first check
+        self.H: Tensor | None = None  # the accepted subspace's Qᵀ G Q
 
     def __call__(self, Xt: Tensor, Q0: Tensor) -> tuple[Tensor, Tensor] | None:
         if WARM_STEPS < 1:
@@ -228,13 +232,17 @@ class _Warm:
         Zt, used, need, last, first = Q0.mT, 0, min(self.need, WARM_STEPS), None, True
         while True:
             for _ in range(need):
-                Zt = (Zt @ Xt.mT) @ Xt                   # (G Z)ᵀ = (Xt Z)ᵀ Xt
+                Zt = Zt @ Xt if self.sym else (Zt @ Xt.mT) @ Xt  # (G Z)ᵀ = (Xt Z)ᵀ Xt
             used += need
             Q = torch.linalg.qr(Zt.mT).Q
             Qt = Q.mT
-            Bt = Qt @ Xt.mT                              # (Xt Q)ᵀ
-            H = Bt @ Bt.mT
-            Zt = Bt @ Xt                                 # (G Q)ᵀ: the residual's product, and the next power
+            if self.sym:
+                Zt = Qt @ Xt                             # (G Q)ᵀ: the residual's product, and the next power
+                H = Zt @ Q
+            else:
+                Bt = Qt @ Xt.mT                          # (Xt Q)ᵀ
+                H = Bt @ Bt.mT
+                Zt = Bt @ Xt                             # (G Q)ᵀ: the residual's product, and the next power
             top = float(H.diagonal().max())              # a lower bound of λ_1
             if top <= 0.0:
                 return None
@@ -245,10 +253,13 @@ class _Warm:
                     return None
                 self.rate = rate
             if res <= WARM_RESIDUAL:
-                # next time as many applications; one fewer if the residual one application earlier,
-                # about res / rate, was already below the tolerance
-                spare = first and used > 1 and 0.0 < self.rate < 1.0 and res <= WARM_RESIDUAL * self.rate
-                self.need = used - 1 if spare else used
+                # next time as many applications, less the j that were spare: the residual j applications
+                # earlier, about res / rate^j, was already below the tolerance (measured on a first check only)
+                spare = 0
+                if first and used > 1 and 0.0 < self.rate < 1.0 and 0.0 < res:
+                    spare = min(used - 1, int(math.log(WARM_RESIDUAL / res) / -math.log(self.rate)))
+                self.need = used - spare
+                self.H = H
                 return Q, H.trace()
             if used >= WARM_STEPS:
                 self.need = 1  # the next try (after the caller's back-off) measures afresh
@@ -303,29 +314,37 @@ class _Updater:
     attempts, not one per update.
     """
 
-    def __init__(self, r: int, warm: bool, R: int):
+    def __init__(self, r: int, warm: bool, R: int, sym: bool = False):
         # below WARM_MIN_R the R x R eigh costs less than a few small products and a QR
-        self.r, self.warm = r, warm and R >= WARM_MIN_R
-        self.skip, self.wait = 0, 1
+        self.r, self.warm, self.sym = r, warm and R >= WARM_MIN_R, sym
+        # the first update starts from the HOSVD factor, not from a HOOI iterate: far from the answer and
+        # (on random LoRA cores) with λ_{r+1} / λ_r ~ 0.99 in that first sweep, so a warm start fails
+        # after its WARM_STEPS products and eigh runs anyway; it goes to eigh at once (skip = 1)
+        self.skip, self.wait = 1, 1
         self.warm_ok = self.warm_failed = 0
         self.exact = True
-        self._warm = _Warm()
+        self.H: Tensor | None = None  # Qᵀ G Q of the last update: (r, r), or its eigenvalues (r,) after eigh
+        self._warm = _Warm(sym)
 
     def __call__(self, Xt: Tensor, V0: Tensor) -> tuple[Tensor, Tensor]:
-        """``Xt (T r, R)``: the rows of ``X = [Y_1 ... Y_T]`` transposed (any order); ``V0``: the last basis."""
+        """``Xt (T r, R)``: the rows of ``X = [Y_1 ... Y_T]`` transposed (any order), or ``G`` itself when
+        ``sym``; ``V0``: the last basis (need not be orthonormal)."""
         if self.warm and self.skip == 0:
             got = self._warm(Xt, V0)
             if got is not None:
                 self.warm_ok += 1
                 self.wait = 1
                 self.exact = False
+                self.H = self._warm.H
                 return got
             self.warm_failed += 1
             self.skip, self.wait = self.wait, 2 * self.wait
         elif self.skip:
             self.skip -= 1
         self.exact = True
-        return _top_eigvecs(Xt.T @ Xt, self.r)
+        w, V = torch.linalg.eigh(Xt if self.sym else Xt.T @ Xt)  # ascending
+        self.H = w[-self.r:].flip(0)
+        return V[:, -self.r:].flip(1).contiguous(), w[-self.r:].sum()
 
 
 def _products(M: Tensor, factors: tuple[Tensor, Tensor] | None) -> tuple[Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]]:
@@ -351,6 +370,99 @@ def _products(M: Tensor, factors: tuple[Tensor, Tensor] | None) -> tuple[Callabl
     Ncol = M.permute(2, 0, 1).reshape(R, T * R)
     Nrow = M.permute(1, 0, 2).reshape(R, T * R)
     return (lambda S: (S.T @ Ncol).view(-1, R)), (lambda P: (P.T @ Nrow).view(-1, R))
+
+
+#: Largest condition number ``λ_1 / λ_r`` of an update's kept eigenvalues at which :class:`_Coords` maps
+#: its subspace back (orthonormality of the mapped basis degrades as ``κ ε``: ~1e-10 here); above it
+#: :func:`_hooi` reruns in ``R``-space, where ``eigh`` gives orthonormal bases whatever the spectrum.
+COORDS_MAX_COND = 1e6
+
+
+class _Degenerate(Exception):
+    """An update's kept eigenvalues are too spread (or zero) to map it out of :class:`_Coords`."""
+
+
+class _Coords:
+    """One factor's HOOI updates in the adapters' own coordinates, for ``M_t = L_t K_tᵀ`` (``L`` is this
+    factor's side: ``L`` for ``P``, ``K`` for ``S``; ``(T, R, k)``).
+
+    With the other factor ``S`` fixed, ``X = [M_1 S ... M_T S] = Lc Cᵀ``: ``Lc = [L_1 ... L_T] (R, T k)``
+    and ``C = blockdiag(C_t)``, ``C_t = Sᵀ K_t (r, k)``. The update needs the top-``r`` eigenspace of
+    ``G = X Xᵀ (R, R)``; ``F = Xᵀ X = C N Cᵀ (T r, T r)`` with ``N = Lcᵀ Lc`` (once per HOOI) has the same
+    nonzero eigenvalues and ``X`` maps its top eigenspace to ``G``'s: ``P = X U W`` (``U``: an orthonormal
+    basis of ``F``'s top eigenspace, ``H = Uᵀ F U = (X U)ᵀ X U``, ``W`` its inverse Cholesky factor, so
+    ``P`` is orthonormal). ``F`` costs two block-diagonal
+    products with ``N``; then every application of the operator is one ``(r, T r) @ (T r, T r)`` product
+    instead of two with ``X`` (and ``X`` itself is never formed). Accepting on ``F``'s residual is at least as
+    strict as on ``G``'s: a component of ``U`` outside ``F``'s top eigenspace maps to ``G`` shrunk by
+    ``sqrt(λ_{r+1} / λ_r)``.
+
+    Nothing in ``R``-space is needed between sweeps: ``P`` enters the other factor's update only as
+    ``Z_P = Lcᵀ P (T k, r)`` (its ``C'_t = Pᵀ L_t``; kept as rows) and in the warm start
+    ``Xᵀ P_0 = C Z_{P_0}``; ``Z_P = N Cᵀ U W``. Spectra whose kept eigenvalues span more than
+    :data:`COORDS_MAX_COND` (zeros among them: ``G`` of rank below ``r``) raise :class:`_Degenerate`
+    and :func:`_hooi` reruns the sweeps in ``R``-space. :meth:`basis` gives ``P`` itself
+    (eigenvector basis, ``R x r``) once, after the last sweep.
+    """
+
+    def __init__(self, Ls: Tensor, r: int):
+        T, R, k = Ls.shape
+        self.T, self.k, self.r = T, k, r
+        self.Lc = Ls.permute(1, 0, 2).reshape(R, T * k)  # [L_1 ... L_T]
+        self.N = self.Lc.T @ self.Lc                     # (T k, T k): blocks L_sᵀ L_t (symmetric)
+        self.Nb = self.N.view(T, k, T * k)               # its block rows
+        self.update = _Updater(r, True, R, sym=True)
+        self.C: Tensor | None = None
+        self.U: Tensor | None = None
+
+    def coords(self, P: Tensor) -> Tensor:
+        """``Pᵀ Lc (r, T k)`` of an ``R``-space basis ``P`` (the coordinates are kept as rows)."""
+        return P.T @ self.Lc
+
+    def __call__(self, Zt_other: Tensor, Zt_prev: Tensor) -> tuple[Tensor, Tensor]:
+        """``(Zt_new, energy)``: ``Zt_other`` the other factor's coordinates, ``Zt_prev`` this factor's last
+        (rows: ``(r, T k)``; products with the short side first are the fast layout, see :class:`_Warm`)."""
+        T, k, r = self.T, self.k, self.r
+        C = Zt_other.view(r, T, k).transpose(0, 1).contiguous()        # (T, r, k): C_t = Sᵀ K_t
+        Y = (C @ self.Nb).view(T * r, T * k)                          # C N: rows (s, i)
+        F = (C @ Y.T.contiguous().view(T, k, T * r)).view(T * r, T * r)  # C (C N)ᵀ = C N Cᵀ, rows (t, j)
+        # Xᵀ P_0 (rows (t, i)): blocks C_t L_tᵀ P_0 = (Z_t C_tᵀ)ᵀ with Z_t = P_0ᵀ L_t
+        U0t = (Zt_prev.view(r, T, k).transpose(0, 1) @ C.mT).transpose(0, 1).reshape(r, T * r)
+        U, top = self.update(F, U0t.T)
+        H = self.update.H
+        assert H is not None
+        Vt = (U.view(T, r, r).mT @ C).transpose(0, 1).reshape(r, T * k)  # (Cᵀ U)ᵀ: X U = Lc Cᵀ U
+        NV = Vt @ self.N                                                # (Lcᵀ X U)ᵀ
+        if H.ndim == 1:                                                # eigh: U eigenvectors, H = diag(λ)
+            if not float(H[-1]) * COORDS_MAX_COND > float(H[0]):
+                raise _Degenerate
+            Zt = NV / H.sqrt()[:, None]
+        else:
+            Rh, info = torch.linalg.cholesky_ex(H, upper=True)
+            d = Rh.diagonal()
+            if int(info) != 0 or not float(d.min()) ** 2 * COORDS_MAX_COND > float(d.max()) ** 2:
+                raise _Degenerate
+            Zt = torch.linalg.solve_triangular(Rh.mT, NV, upper=False)  # W = Rh⁻¹: (X U W)ᵀ Lc = Rh⁻ᵀ NV
+        self.C, self.U = C, U
+        return Zt, top
+
+    def basis(self) -> Tensor:
+        """The last update's subspace as ``R``-space eigenvectors (largest first): ``X U_e λ^{-1/2}``."""
+        T, k, r = self.T, self.k, self.r
+        assert self.C is not None and self.U is not None
+        H = self.update.H
+        assert H is not None
+        if H.ndim == 1:
+            U, w = self.U, H
+        else:
+            w, Y = torch.linalg.eigh(H)
+            U, w = self.U @ Y.flip(1), w.flip(0)
+        P = (self.Lc @ (self.C.mT @ U.view(T, r, r)).reshape(T * k, r)) / w.sqrt()
+        # orthonormal to ~κ ε <= ~1e-10 (COORDS_MAX_COND); one Gram-Schmidt pass when visibly less
+        if float((P.T @ P - torch.eye(r, dtype=P.dtype)).abs().max()) > 1e-12:
+            Q, Rq = torch.linalg.qr(P)
+            P = Q * torch.sign(Rq.diagonal())
+        return P
 
 
 def _check_factors(M: Tensor, factors: Any) -> tuple[Tensor, Tensor]:
@@ -424,6 +536,14 @@ def _hooi(M: Tensor, rank: int, iters: int, tol: float, warm: bool,
         it, converged = 0, rank == R
         if converged:
             return HOOIResult(sign_fix(P)[0], sign_fix(S)[0], obj0, obj, 0, True, err)
+        if warm and iters >= 1 and factors is not None and R >= WARM_MIN_R and M.shape[0] * rank <= R:
+            try:
+                got = _sweeps_in_coords(factors, P, S, rank, iters, tol, total, err)
+            except _Degenerate:
+                got = None  # the R-space sweeps below, from the same start
+            if got is not None:
+                P, S, obj, it, converged, err = got
+                return HOOIResult(sign_fix(P)[0], sign_fix(S)[0], obj0, obj, it, converged, err)
         times_S, times_P = _products(M, factors)
         # inside the loop P and S are any orthonormal bases of the iterates (the Gram matrices depend on
         # span(P), span(S) only); eigenvector bases and signs are fixed once at the end
@@ -446,6 +566,26 @@ def _hooi(M: Tensor, rank: int, iters: int, tol: float, warm: bool,
         if XS is not None and not update_S.exact:
             S = _ritz(XS, S)
     return HOOIResult(sign_fix(P)[0], sign_fix(S)[0], obj0, obj, it, converged, err)
+
+
+def _sweeps_in_coords(factors: tuple[Tensor, Tensor], P: Tensor, S: Tensor, rank: int, iters: int, tol: float,
+                      total: float, err: float) -> tuple[Tensor, Tensor, float, int, bool, float]:
+    """:func:`_hooi`'s sweeps through :class:`_Coords` (the same updates, the same stopping rule), from
+    the HOSVD bases ``P``, ``S``. Raises :class:`_Degenerate` when an update cannot be mapped."""
+    L, K = factors
+    side_P, side_S = _Coords(L, rank), _Coords(K, rank)
+    ZP, ZS = side_P.coords(P), side_S.coords(S)
+    obj, it, converged = 0.0, 0, False
+    for it in range(1, iters + 1):
+        ZP = side_P(ZS, ZP)[0]
+        ZS, top = side_S(ZP, ZS)
+        obj = float(top)
+        new_err = math.sqrt(max(0.0, 1.0 - obj / total))
+        if abs(err - new_err) < tol:
+            err, converged = new_err, True
+            break
+        err = new_err
+    return side_P.basis(), side_S.basis(), obj, it, converged, err
 
 
 # ------------------------------------------------------------------------------------------------
