@@ -244,9 +244,13 @@ def _cat(Bs: Sequence[Tensor], As: Sequence[Tensor]) -> tuple[Tensor, Tensor]:
 
 
 def _bases(B_cat: Tensor, A_cat: Tensor) -> tuple[Tensor, Tensor]:
-    U_B, _, _ = torch.linalg.svd(B_cat, full_matrices=False)
-    _, _, Vh = torch.linalg.svd(A_cat, full_matrices=False)
-    return sign_fix(U_B)[0], sign_fix(Vh.T.contiguous())[0]
+    # V_A as the left singular vectors of the tall A_catᵀ: LAPACK's thin SVD of the (n, R) matrix takes
+    # ~35 % less time than that of the wide (R, n) one (measured at 4096 x 128: 23 vs 37 ms). Both bases
+    # are returned row-major: the SVD gives column-major U, and MKL's float64 (m, R) @ (R, r) product
+    # with both operands column-major is ~8x slower than with a row-major U (lifts U_B P, 4096 x 128 x 16)
+    U_B = torch.linalg.svd(B_cat, full_matrices=False)[0]
+    V_A = torch.linalg.svd(A_cat.T, full_matrices=False)[0]
+    return sign_fix(U_B)[0].contiguous(), sign_fix(V_A)[0].contiguous()
 
 
 def _factors(U_B: Tensor, V_A: Tensor, B_cat: Tensor, A_cat: Tensor, ranks: list[int]) -> tuple[Tensor, Tensor]:
