@@ -491,13 +491,16 @@ def tucker2(M: Tensor, rank: int, *, iters: int = 1000, tol: float = 1e-6, warm:
     Computation (float64, one intra-op thread: :func:`_one_thread`): each ``lsv_r`` is the top-``r``
     eigenspace of the ``R x R`` Gram matrix ``G = X Xᵀ`` of ``X = [M_1 S ... M_T S]``, and the objective
     after a sweep is the sum of its top-``r`` eigenvalues (no extra product). The HOSVD init runs
-    ``eigh``. A sweep only needs the subspaces, so each update starts from the previous factor and runs
-    subspace iteration on ``X`` to a residual of :data:`WARM_RESIDUAL` ``* λ_1`` (:class:`_Warm`: the
-    exact eigenspace to that accuracy; ``eigh`` when it does not converge, with a back-off:
+    ``eigh``, and so does each factor's first update (it starts from the HOSVD factor, not from a HOOI
+    iterate). A sweep only needs the subspaces, so each later update starts from the previous factor and
+    runs subspace iteration on ``X`` to a residual of :data:`WARM_RESIDUAL` ``* λ_1`` (:class:`_Warm`:
+    the exact eigenspace to that accuracy; ``eigh`` when it does not converge, with a back-off:
     :class:`_Updater`); the eigenvector bases are computed once, after the last sweep. ``warm=False``
     runs ``eigh`` every time (the same iterates to ~1e-10; the tests compare them). ``factors=(L, K)``
     (each ``(T, R, k)``, ``M_t = L_t K_tᵀ``, checked), as :func:`ctm_merge_layer` has them for LoRA
-    cores of rank ``k = r_t``, make the sweep's products ``O(T R k r)`` instead of ``O(T R² r)``.
+    cores of rank ``k = r_t``, make the sweep's products ``O(T R k r)`` instead of ``O(T R² r)``; where
+    also ``T r <= R`` the sweeps run in the adapters' coordinates (:class:`_Coords`: the same updates on
+    the ``T r x T r`` matrix ``Xᵀ X``, one product per application instead of two).
 
     Stopping rule (tensorly's ``partial_tucker`` criterion): the relative reconstruction error
     ``e = sqrt(1 - obj / ||M||_F²)`` is computed after every sweep; stop when it changes by less than
