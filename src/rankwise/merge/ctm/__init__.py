@@ -372,10 +372,11 @@ def _products(M: Tensor, factors: tuple[Tensor, Tensor] | None) -> tuple[Callabl
     return (lambda S: (S.T @ Ncol).view(-1, R)), (lambda P: (P.T @ Nrow).view(-1, R))
 
 
-#: Largest condition number ``λ_1 / λ_r`` of an update's kept eigenvalues at which :class:`_Coords` maps
-#: its subspace back (orthonormality of the mapped basis degrades as ``κ ε``: ~1e-10 here); above it
-#: :func:`_hooi` reruns in ``R``-space, where ``eigh`` gives orthonormal bases whatever the spectrum.
-COORDS_MAX_COND = 1e6
+#: Largest condition number of ``H = Uᵀ F U`` (the kept eigenvalues' ``λ_1 / λ_r``, or after a warm start
+#: the upper bound ``||H||_F ||H⁻¹||_F``) at which :class:`_Coords` maps its subspace back: orthonormality
+#: of the mapped basis degrades as ``κ ε`` (~1e-9 here); above it :func:`_hooi` reruns in ``R``-space,
+#: where ``eigh`` gives orthonormal bases whatever the spectrum.
+COORDS_MAX_COND = 1e7
 
 
 class _Degenerate(Exception):
@@ -412,6 +413,7 @@ class _Coords:
         self.N = self.Lc.T @ self.Lc                     # (T k, T k): blocks L_sᵀ L_t (symmetric)
         self.Nb = self.N.view(T, k, T * k)               # its block rows
         self.update = _Updater(r, True, R, sym=True)
+        self.eye = torch.eye(r, dtype=Ls.dtype)
         self.C: Tensor | None = None
         self.U: Tensor | None = None
 
@@ -434,15 +436,17 @@ class _Coords:
         Vt = (U.view(T, r, r).mT @ C).transpose(0, 1).reshape(r, T * k)  # (Cᵀ U)ᵀ: X U = Lc Cᵀ U
         NV = Vt @ self.N                                                # (Lcᵀ X U)ᵀ
         if H.ndim == 1:                                                # eigh: U eigenvectors, H = diag(λ)
-            if not float(H[-1]) * COORDS_MAX_COND > float(H[0]):
+            if not float(H[0]) < float(H[-1]) * COORDS_MAX_COND:
                 raise _Degenerate
             Zt = NV / H.sqrt()[:, None]
         else:
             Rh, info = torch.linalg.cholesky_ex(H, upper=True)
-            d = Rh.diagonal()
-            if int(info) != 0 or not float(d.min()) ** 2 * COORDS_MAX_COND > float(d.max()) ** 2:
+            W = torch.linalg.solve_triangular(Rh, self.eye, upper=True)  # Rh⁻¹; H⁻¹ = W Wᵀ
+            # ||H||_F ||H⁻¹||_F >= λ_1 / λ_r, and ||H⁻¹||_F <= ||W||_F²; NaN (a failed Cholesky) also refuses
+            kappa = float(torch.linalg.matrix_norm(H) * torch.linalg.matrix_norm(W).square())
+            if int(info) != 0 or not kappa < COORDS_MAX_COND:
                 raise _Degenerate
-            Zt = torch.linalg.solve_triangular(Rh.mT, NV, upper=False)  # W = Rh⁻¹: (X U W)ᵀ Lc = Rh⁻ᵀ NV
+            Zt = W.mT @ NV                                              # (X U W)ᵀ Lc = Wᵀ NV
         self.C, self.U = C, U
         return Zt, top
 
@@ -458,7 +462,7 @@ class _Coords:
             w, Y = torch.linalg.eigh(H)
             U, w = self.U @ Y.flip(1), w.flip(0)
         P = (self.Lc @ (self.C.mT @ U.view(T, r, r)).reshape(T * k, r)) / w.sqrt()
-        # orthonormal to ~κ ε <= ~1e-10 (COORDS_MAX_COND); one Gram-Schmidt pass when visibly less
+        # orthonormal to ~κ ε <= ~1e-9 (COORDS_MAX_COND); one Gram-Schmidt pass when visibly less
         if float((P.T @ P - torch.eye(r, dtype=P.dtype)).abs().max()) > 1e-12:
             Q, Rq = torch.linalg.qr(P)
             P = Q * torch.sign(Rq.diagonal())
