@@ -176,15 +176,16 @@ def _one_thread() -> Iterator[None]:
         torch.set_num_threads(n)
 
 
-def _top_eigvecs(G: Tensor, r: int) -> tuple[Tensor, Tensor]:
+def _top_eigvecs(G: Tensor, r: int) -> tuple[Tensor, Tensor, Tensor]:
     """Top-``r`` eigenvectors of the symmetric PSD Gram matrix ``G (R, R)`` (largest first; signs as eigh
-    gives them: :func:`tucker2` fixes them once at the end) and the sum of their eigenvalues (0-dim).
+    gives them: :func:`tucker2` fixes them once at the end), the sum of their eigenvalues (0-dim) and
+    the eigenvalues themselves (largest first).
 
     The top-``r`` left singular vectors of ``X`` are the top-``r`` eigenvectors of ``G = X Xᵀ``: one
     ``R x R`` ``eigh`` instead of the SVD of the ``R x (T r)`` matrix ``X``.
     """
     w, V = torch.linalg.eigh(G)                      # ascending
-    return V[:, -r:].flip(1).contiguous(), w[-r:].sum()
+    return V[:, -r:].flip(1).contiguous(), w[-r:].sum(), w[-r:].flip(0)
 
 
 #: Relative residual ``||G Q - Q (Qᵀ G Q)||_F <= WARM_RESIDUAL * w_1`` at which a warm-started update
@@ -342,9 +343,8 @@ class _Updater:
         elif self.skip:
             self.skip -= 1
         self.exact = True
-        w, V = torch.linalg.eigh(Xt if self.sym else Xt.T @ Xt)  # ascending
-        self.H = w[-self.r:].flip(0)
-        return V[:, -self.r:].flip(1).contiguous(), w[-self.r:].sum()
+        V, top, self.H = _top_eigvecs(Xt if self.sym else Xt.T @ Xt, self.r)
+        return V, top
 
 
 def _products(M: Tensor, factors: tuple[Tensor, Tensor] | None) -> tuple[Callable[[Tensor], Tensor], Callable[[Tensor], Tensor]]:
@@ -540,34 +540,29 @@ def _hooi(M: Tensor, rank: int, iters: int, tol: float, warm: bool,
             S = _top_eigvecs(_gram(M.mT), rank)[0]
         obj0 = obj = tucker_objective(M, P, S)
         err = math.sqrt(max(0.0, 1.0 - obj / total))
-        it, converged = 0, rank == R
-        if converged:
+        if rank == R:
             return HOOIResult(sign_fix(P)[0], sign_fix(S)[0], obj0, obj, 0, True, err)
         if warm and iters >= 1 and factors is not None and R >= WARM_MIN_R and M.shape[0] * rank <= R:
             try:
-                got = _sweeps_in_coords(factors, P, S, rank, iters, tol, total, err)
+                Pc, Sc, *rest = _sweeps_in_coords(factors, P, S, rank, iters, tol, total, obj, err)
+                return HOOIResult(sign_fix(Pc)[0], sign_fix(Sc)[0], obj0, *rest)
             except _Degenerate:
-                got = None  # the R-space sweeps below, from the same start
-            if got is not None:
-                P, S, obj, it, converged, err = got
-                return HOOIResult(sign_fix(P)[0], sign_fix(S)[0], obj0, obj, it, converged, err)
+                pass  # the R-space sweeps below, from the same start
         times_S, times_P = _products(M, factors)
         # inside the loop P and S are any orthonormal bases of the iterates (the Gram matrices depend on
         # span(P), span(S) only); eigenvector bases and signs are fixed once at the end
         update_P, update_S = _Updater(rank, warm, R), _Updater(rank, warm, R)
         XP = XS = None  # the last sweep's products, transposed (T r, R)
-        for it in range(1, iters + 1):
+
+        def sweep() -> float:
+            nonlocal P, S, XP, XS
             XP = times_S(S)
             P = update_P(XP, P)[0]
             XS = times_P(P)
             S, top = update_S(XS, S)
-            obj = float(top)
-            new_err = math.sqrt(max(0.0, 1.0 - obj / total))
-            if abs(err - new_err) < tol:
-                err = new_err
-                converged = True
-                break
-            err = new_err
+            return float(top)
+
+        obj, it, converged, err = _sweep_until(sweep, iters, tol, total, obj, err)
         if XP is not None and not update_P.exact:
             P = _ritz(XP, P)
         if XS is not None and not update_S.exact:
@@ -576,23 +571,35 @@ def _hooi(M: Tensor, rank: int, iters: int, tol: float, warm: bool,
 
 
 def _sweeps_in_coords(factors: tuple[Tensor, Tensor], P: Tensor, S: Tensor, rank: int, iters: int, tol: float,
-                      total: float, err: float) -> tuple[Tensor, Tensor, float, int, bool, float]:
+                      total: float, obj: float, err: float) -> tuple[Tensor, Tensor, float, int, bool, float]:
     """:func:`_hooi`'s sweeps through :class:`_Coords` (the same updates, the same stopping rule), from
     the HOSVD bases ``P``, ``S``. Raises :class:`_Degenerate` when an update cannot be mapped."""
     L, K = factors
     side_P, side_S = _Coords(L, rank), _Coords(K, rank)
     ZP, ZS = side_P.coords(P), side_S.coords(S)
-    obj, it, converged = 0.0, 0, False
-    for it in range(1, iters + 1):
+
+    def sweep() -> float:
+        nonlocal ZP, ZS
         ZP = side_P(ZS, ZP)[0]
         ZS, top = side_S(ZP, ZS)
-        obj = float(top)
+        return float(top)
+
+    obj, it, converged, err = _sweep_until(sweep, iters, tol, total, obj, err)
+    return side_P.basis(), side_S.basis(), obj, it, converged, err
+
+
+def _sweep_until(sweep: Callable[[], float], iters: int, tol: float, total: float, obj: float, err: float
+                 ) -> tuple[float, int, bool, float]:
+    """HOOI's stopping rule around ``sweep`` (one sweep; returns the objective after it), from the
+    objective ``obj`` and error ``err`` at the start: stop when ``e = sqrt(1 - obj / total)`` changes by less
+    than ``tol`` (converged) or after ``iters`` sweeps. Returns ``(obj, sweeps, converged, err)``."""
+    for it in range(1, iters + 1):
+        obj = sweep()
         new_err = math.sqrt(max(0.0, 1.0 - obj / total))
         if abs(err - new_err) < tol:
-            err, converged = new_err, True
-            break
+            return obj, it, True, new_err
         err = new_err
-    return side_P.basis(), side_S.basis(), obj, it, converged, err
+    return obj, iters, False, err
 
 
 # ------------------------------------------------------------------------------------------------
