@@ -426,15 +426,16 @@ class _Coords:
         (rows: ``(r, T k)``; products with the short side first are the fast layout, see :class:`_Warm`)."""
         T, k, r = self.T, self.k, self.r
         C = Zt_other.view(r, T, k).transpose(0, 1).contiguous()        # (T, r, k): C_t = Sᵀ K_t
-        Y = (C @ self.Nb).view(T * r, T * k)                          # C N: rows (s, i)
-        F = (C @ Y.T.contiguous().view(T, k, T * r)).view(T * r, T * r)  # C (C N)ᵀ = C N Cᵀ, rows (t, j)
+        Y = (C @ self.Nb).view(T * r, T * k)                          # C N: rows (t, i), columns (s, b)
+        # block s of the product: C_s (Y's columns (s, ·))ᵀ, read in place (no transposed copy of Y), = rows
+        # (s, j) of (C N Cᵀ)ᵀ = F (F is symmetric)
+        F = (C @ Y.view(T * r, T, k).permute(1, 2, 0)).view(T * r, T * r)
         # Xᵀ P_0 (rows (t, i)): blocks C_t L_tᵀ P_0 = (Z_t C_tᵀ)ᵀ with Z_t = P_0ᵀ L_t
         U0t = (Zt_prev.view(r, T, k).transpose(0, 1) @ C.mT).transpose(0, 1).reshape(r, T * r)
         U, top = self.update(F, U0t.T)
         H = self.update.H
         assert H is not None
-        Vt = (U.view(T, r, r).mT @ C).transpose(0, 1).reshape(r, T * k)  # (Cᵀ U)ᵀ: X U = Lc Cᵀ U
-        NV = Vt @ self.N                                                # (Lcᵀ X U)ᵀ
+        NV = U.T @ Y                                                   # (Lcᵀ X U)ᵀ = Uᵀ C N (X U = Lc Cᵀ U)
         if H.ndim == 1:                                                # eigh: U eigenvectors, H = diag(λ)
             if not float(H[0]) < float(H[-1]) * COORDS_MAX_COND:
                 raise _Degenerate
